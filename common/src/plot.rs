@@ -1,0 +1,169 @@
+//! Line and log-log charts to PNG, on `plotters`.
+
+use std::path::Path;
+
+use plotters::prelude::*;
+
+/// One named line of (x, y) points.
+#[derive(Clone, Debug)]
+pub struct Series {
+    pub name: String,
+    pub points: Vec<(f64, f64)>,
+}
+
+impl Series {
+    pub fn new(name: impl Into<String>, points: Vec<(f64, f64)>) -> Self {
+        Self {
+            name: name.into(),
+            points,
+        }
+    }
+}
+
+/// Axis scales.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scale {
+    Linear,
+    /// Both axes logarithmic; points with x <= 0 or y <= 0 are dropped.
+    LogLog,
+    /// Logarithmic x, linear y.
+    LogX,
+}
+
+/// A chart's title and axis labels.
+#[derive(Clone, Copy, Debug)]
+pub struct Labels<'a> {
+    pub title: &'a str,
+    pub x: &'a str,
+    pub y: &'a str,
+}
+
+const COLORS: [RGBColor; 6] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+];
+
+fn bounds(series: &[Series], scale: Scale) -> Option<((f64, f64), (f64, f64))> {
+    let pts = series.iter().flat_map(|s| s.points.iter()).filter(|(x, y)| {
+        x.is_finite()
+            && y.is_finite()
+            && match scale {
+                Scale::Linear => true,
+                Scale::LogLog => *x > 0.0 && *y > 0.0,
+                Scale::LogX => *x > 0.0,
+            }
+    });
+    let mut b: Option<((f64, f64), (f64, f64))> = None;
+    for &(x, y) in pts {
+        let ((x0, x1), (y0, y1)) = b.unwrap_or(((x, x), (y, y)));
+        b = Some(((x0.min(x), x1.max(x)), (y0.min(y), y1.max(y))));
+    }
+    b.map(|((x0, x1), (y0, y1))| {
+        let pad = |lo: f64, hi: f64, log: bool| {
+            if log {
+                (lo / 1.3, hi * 1.3)
+            } else {
+                let span = (hi - lo).max(hi.abs() * 1e-3).max(1e-12);
+                ((lo - 0.05 * span).min(if lo >= 0.0 { 0.0 } else { lo }), hi + 0.05 * span)
+            }
+        };
+        let xlog = scale != Scale::Linear;
+        (pad(x0, x1, xlog), pad(y0, y1, scale == Scale::LogLog))
+    })
+}
+
+/// Draw `series` as lines with point markers into a PNG at `path`.
+pub fn line_chart(
+    path: &Path,
+    labels: Labels<'_>,
+    series: &[Series],
+    scale: Scale,
+) -> Result<(), String> {
+    let err = |e: &dyn std::fmt::Display| format!("plot {}: {e}", path.display());
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| err(&e))?;
+    }
+    let ((x0, x1), (y0, y1)) = bounds(series, scale).ok_or_else(|| err(&"no finite points"))?;
+    let root = BitMapBackend::new(path, (900, 600)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+
+    // One generic body for the three coordinate kinds.
+    macro_rules! draw {
+        ($xr:expr, $yr:expr) => {{
+            let mut chart = ChartBuilder::on(&root)
+                .caption(labels.title, ("sans-serif", 24))
+                .margin(15)
+                .x_label_area_size(45)
+                .y_label_area_size(70)
+                .build_cartesian_2d($xr, $yr)
+                .map_err(|e| err(&e))?;
+            chart
+                .configure_mesh()
+                .x_desc(labels.x)
+                .y_desc(labels.y)
+                .draw()
+                .map_err(|e| err(&e))?;
+            for (i, s) in series.iter().enumerate() {
+                let c = COLORS[i % COLORS.len()];
+                let pts: Vec<(f64, f64)> = s
+                    .points
+                    .iter()
+                    .copied()
+                    .filter(|&(x, y)| x >= x0 && y >= y0 && x.is_finite() && y.is_finite())
+                    .collect();
+                chart
+                    .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
+                    .map_err(|e| err(&e))?
+                    .label(s.name.as_str())
+                    .legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
+                    });
+                chart
+                    .draw_series(pts.into_iter().map(|p| Circle::new(p, 3, c.filled())))
+                    .map_err(|e| err(&e))?;
+            }
+            chart
+                .configure_series_labels()
+                .background_style(WHITE.mix(0.8))
+                .border_style(BLACK)
+                .position(SeriesLabelPosition::UpperLeft)
+                .draw()
+                .map_err(|e| err(&e))?;
+        }};
+    }
+    match scale {
+        Scale::Linear => draw!(x0..x1, y0..y1),
+        Scale::LogLog => draw!((x0..x1).log_scale(), (y0..y1).log_scale()),
+        Scale::LogX => draw!((x0..x1).log_scale(), y0..y1),
+    }
+    root.present().map_err(|e| err(&e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_png_and_rejects_empty() {
+        let dir = std::env::temp_dir().join(format!("common-plot-{}", std::process::id()));
+        let p = dir.join("chart.png");
+        let s = vec![
+            Series::new("a", vec![(1.0, 10.0), (2.0, 20.0), (1024.0, 5e4)]),
+            Series::new("b", vec![(1.0, 3.0), (1024.0, 4e4)]),
+        ];
+        let labels = Labels {
+            title: "t",
+            x: "batch",
+            y: "images/s",
+        };
+        line_chart(&p, labels, &s, Scale::LogLog).unwrap();
+        let bytes = std::fs::read(&p).unwrap();
+        assert_eq!(&bytes[1..4], b"PNG");
+        assert!(line_chart(&p, labels, &[], Scale::Linear).is_err());
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}

