@@ -19,9 +19,11 @@ pub const STRIPE: usize = 16;
 /// Rows per micro-tile on the AVX2 path: 6 x 2 vectors = 12 accumulators of
 /// the 16 ymm registers, leaving room for two weight vectors and a broadcast.
 pub const MR: usize = 6;
-/// Below this many multiply-adds a call stays on the calling thread (waking
-/// a pool thread costs a few microseconds).
-pub const PAR_MIN_MACS: usize = 48 * 1024;
+/// Below this many multiply-adds a call stays on the calling thread. Waking a
+/// sleeping pool thread on this VM costs tens of microseconds (measured: batch
+/// 1 took 18 us on one thread, 52 us when fc1 was split over two), so a split
+/// must bring at least ~1 ms of work (4M MACs at ~40 GMAC/s per core).
+pub const PAR_MIN_MACS: usize = 1 << 22;
 /// Rows at or above which threads split rows; below it they split stripes.
 const ROW_SPLIT_MIN_ROWS: usize = 4 * MR;
 
@@ -265,10 +267,10 @@ unsafe fn tile_portable(
         let xr = unsafe { std::slice::from_raw_parts(x.add(r * in_f), in_f) };
         let mut acc = [0.0f32; STRIPE];
         acc.copy_from_slice(b);
-        for (k, &a) in xr.iter().enumerate() {
-            let wk = &w[k * STRIPE..(k + 1) * STRIPE];
-            for c in 0..STRIPE {
-                acc[c] += a * wk[c];
+        for (&a, wk) in xr.iter().zip(w.chunks_exact(STRIPE)) {
+            let wk: &[f32; STRIPE] = wk.try_into().expect("chunks_exact");
+            for (acc, &wv) in acc.iter_mut().zip(wk) {
+                *acc += a * wv;
             }
         }
         for (c, &v) in acc.iter().take(cols).enumerate() {

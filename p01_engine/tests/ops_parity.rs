@@ -110,10 +110,10 @@ fn fast_linear_matches_naive_on_awkward_shapes() {
 fn threaded_paths_are_exercised_and_agree() {
     // Shapes large enough to pass PAR_MIN_MACS: one row (stripe split) and
     // many rows (row split), against the single-thread result.
-    for rows in [1, 3, 200] {
-        let (in_f, out_f) = (784, 256);
+    for (rows, in_f, out_f) in [(1, 576, 8192 + 5), (3, 576, 2500), (200, 784, 256), (37, 784, 256)] {
+        assert!(rows * in_f * out_f >= p01_engine::linear::PAR_MIN_MACS);
         let x = rand_vec(rows * in_f, 7 + rows as u64);
-        let w = rand_vec(out_f * in_f, 8);
+        let w = rand_vec(out_f * in_f, 8 + in_f as u64);
         let lin = Linear::new(&w, None, out_f, in_f);
         let mut y1 = vec![0.0; rows * out_f];
         let mut y2 = vec![1.0; rows * out_f];
