@@ -249,6 +249,24 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             stats.linear_flops_per_example, torch_flops
         );
     }
+    // Zero-allocation path (one reused Workspace) vs `forward`, which
+    // allocates its buffers and output on every call.
+    let mut alloc_rows = Vec::new();
+    println!("\nallocating forward vs forward_into (reused workspace), median of one run:");
+    for &b in args.batches.iter().filter(|&&b| b == 1 || b == 64 || b == 1024) {
+        let x = Tensor::new(vec![b, 784], pool[..b * 784].to_vec())?;
+        let alloc = time_it(BenchConfig::default(), || {
+            std::hint::black_box(fused.forward(&x).expect("valid input"));
+        });
+        let reuse = sweep_ours(&fused, &pool, &[b])?[0];
+        println!(
+            "  batch {b:>4}: forward {:.1} us, forward_into {:.1} us ({:.2}x)",
+            alloc.median * 1e6,
+            reuse.median_s * 1e6,
+            alloc.median / reuse.median_s
+        );
+        alloc_rows.push((b, alloc.median, reuse.median_s));
+    }
     let loads = load_times(&args.model_dir, 5)?;
     println!("\nload time (median of 5; cold = page cache evicted with posix_fadvise):");
     for (name, s) in &loads {
@@ -293,6 +311,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 };
                 rows.push(Row::new(format!("p01 mlp b={} speed ratio PyTorch/ours", p.batch), t.median_s / p.median_s, "x").predicted(goal));
             }
+        }
+        for &(b, alloc, reuse) in &alloc_rows {
+            rows.push(Row::new(format!("p01 mlp b={b} allocating forward / forward_into"), alloc / reuse, "x").predicted("~1.0-1.1 (buffers are small next to the matmuls)"));
         }
         for (name, s) in &loads {
             if !name.starts_with("page") {
