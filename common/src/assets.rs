@@ -52,7 +52,10 @@ pub fn ensure(asset: Asset) -> Result<PathBuf, String> {
         .status()
         .map_err(|e| format!("cannot start {}: {e}; {hint}", script.display()))?;
     if !status.success() {
-        return Err(format!("fetching {} failed ({status}); {hint}", asset.arg()));
+        return Err(format!(
+            "fetching {} failed ({status}); {hint}",
+            asset.arg()
+        ));
     }
     let p = asset.path();
     if p.exists() {

@@ -34,7 +34,10 @@ pub fn diff(actual: &[f32], expected: &[f32], atol: f32, rtol: f32) -> Result<Di
     };
     for (i, (&a, &e)) in actual.iter().zip(expected).enumerate() {
         let err = (a - e).abs();
-        let bad = !(err <= atol + rtol * e.abs()); // NaN-safe: NaN fails
+        // NaN-safe: a NaN error compares as not <= and so fails.
+        let bad = err
+            .partial_cmp(&(atol + rtol * e.abs()))
+            .is_none_or(|o| o.is_gt());
         if bad {
             d.n_bad += 1;
         }

@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-const HEADER: &str = "| date (UTC) | machine | commit | command | metric | value | unit | prediction |\n\
+const HEADER: &str =
+    "| date (UTC) | machine | commit | command | metric | value | unit | prediction |\n\
 |---|---|---|---|---|---|---|---|\n";
 
 /// One measured figure.
@@ -126,7 +127,11 @@ pub fn utc_date_time() -> String {
         .unwrap_or(0);
     let (y, m, d) = civil_from_days((secs / 86_400) as i64);
     let rem = secs % 86_400;
-    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}", rem / 3600, (rem % 3600) / 60)
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}",
+        rem / 3600,
+        (rem % 3600) / 60
+    )
 }
 
 /// Days since 1970-01-01 to (year, month, day) in the proleptic Gregorian

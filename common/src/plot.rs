@@ -48,15 +48,18 @@ const COLORS: [RGBColor; 6] = [
 ];
 
 fn bounds(series: &[Series], scale: Scale) -> Option<((f64, f64), (f64, f64))> {
-    let pts = series.iter().flat_map(|s| s.points.iter()).filter(|(x, y)| {
-        x.is_finite()
-            && y.is_finite()
-            && match scale {
-                Scale::Linear => true,
-                Scale::LogLog => *x > 0.0 && *y > 0.0,
-                Scale::LogX => *x > 0.0,
-            }
-    });
+    let pts = series
+        .iter()
+        .flat_map(|s| s.points.iter())
+        .filter(|(x, y)| {
+            x.is_finite()
+                && y.is_finite()
+                && match scale {
+                    Scale::Linear => true,
+                    Scale::LogLog => *x > 0.0 && *y > 0.0,
+                    Scale::LogX => *x > 0.0,
+                }
+        });
     let mut b: Option<((f64, f64), (f64, f64))> = None;
     for &(x, y) in pts {
         let ((x0, x1), (y0, y1)) = b.unwrap_or(((x, x), (y, y)));
@@ -68,7 +71,10 @@ fn bounds(series: &[Series], scale: Scale) -> Option<((f64, f64), (f64, f64))> {
                 (lo / 1.3, hi * 1.3)
             } else {
                 let span = (hi - lo).max(hi.abs() * 1e-3).max(1e-12);
-                ((lo - 0.05 * span).min(if lo >= 0.0 { 0.0 } else { lo }), hi + 0.05 * span)
+                (
+                    (lo - 0.05 * span).min(if lo >= 0.0 { 0.0 } else { lo }),
+                    hi + 0.05 * span,
+                )
             }
         };
         let xlog = scale != Scale::Linear;

@@ -25,7 +25,9 @@ pub enum StError {
         path: PathBuf,
         source: safetensors::SafeTensorError,
     },
-    #[error("{path}: tensor `{name}` has dtype {dtype}; supported: F32 (and I64 for integer data)")]
+    #[error(
+        "{path}: tensor `{name}` has dtype {dtype}; supported: F32 (and I64 for integer data)"
+    )]
     Dtype {
         path: PathBuf,
         name: String,
@@ -144,12 +146,11 @@ pub fn save(path: &Path, tensors: &[(&str, &Tensor)]) -> Result<(), StError> {
         .collect();
     let mut views = Vec::with_capacity(bytes.len());
     for (name, b, shape) in &bytes {
-        let view = TensorView::new(Dtype::F32, shape.clone(), b).map_err(|source| {
-            StError::Format {
+        let view =
+            TensorView::new(Dtype::F32, shape.clone(), b).map_err(|source| StError::Format {
                 path: path.to_path_buf(),
                 source,
-            }
-        })?;
+            })?;
         views.push((name.clone(), view));
     }
     safetensors::serialize_to_file(views, None, path).map_err(|source| StError::Format {
@@ -174,12 +175,18 @@ mod tests {
         assert_eq!(f.tensor("a").unwrap(), &a);
         assert_eq!(f.tensor("b").unwrap(), &b);
         let missing = f.tensor("c").unwrap_err().to_string();
-        assert!(missing.contains("t.safetensors") && missing.contains("`c`"), "{missing}");
+        assert!(
+            missing.contains("t.safetensors") && missing.contains("`c`"),
+            "{missing}"
+        );
 
         // Truncations at every length must give a typed error, never a panic.
         let bytes = std::fs::read(&p).unwrap();
         for cut in 0..bytes.len() {
-            assert!(parse(&bytes[..cut], &p).is_err(), "truncated at {cut} parsed");
+            assert!(
+                parse(&bytes[..cut], &p).is_err(),
+                "truncated at {cut} parsed"
+            );
         }
         let err = load(&dir.join("nope.safetensors")).unwrap_err().to_string();
         assert!(err.contains("nope.safetensors"), "{err}");

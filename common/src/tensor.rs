@@ -93,7 +93,7 @@ impl Tensor {
     /// Number of rows when every dimension but the last is flattened.
     pub fn rows(&self) -> Result<usize, TensorError> {
         let w = self.last_dim()?;
-        Ok(if w == 0 { 0 } else { self.data.len() / w })
+        Ok(self.data.len().checked_div(w).unwrap_or(0))
     }
 
     /// The same data under another shape with the same element count.

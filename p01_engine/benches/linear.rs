@@ -6,21 +6,27 @@ use p01_engine::linear::{linear_ref, Activation, Kernel, Linear};
 
 fn bench_linear(c: &mut Criterion) {
     let (in_f, out_f) = (784, 256);
-    let w: Vec<f32> = (0..in_f * out_f).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
+    let w: Vec<f32> = (0..in_f * out_f)
+        .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+        .collect();
     let b: Vec<f32> = (0..out_f).map(|i| i as f32 / out_f as f32).collect();
     let lin = Linear::new(&w, Some(&b), out_f, in_f);
     let mut g = c.benchmark_group("linear_784x256");
     for rows in [1usize, 64] {
-        let x: Vec<f32> = (0..rows * in_f).map(|i| ((i * 31) % 255) as f32 / 255.0).collect();
+        let x: Vec<f32> = (0..rows * in_f)
+            .map(|i| ((i * 31) % 255) as f32 / 255.0)
+            .collect();
         let mut y = vec![0.0; rows * out_f];
         g.throughput(Throughput::Elements((2 * rows * in_f * out_f) as u64));
         g.bench_with_input(BenchmarkId::new("naive", rows), &rows, |bch, &r| {
             bch.iter(|| linear_ref(&x, r, &w, Some(&b), out_f))
         });
         for kernel in [Kernel::Portable, Kernel::detect()] {
-            g.bench_with_input(BenchmarkId::new(format!("packed_{kernel:?}"), rows), &rows, |bch, &r| {
-                bch.iter(|| lin.forward_with(kernel, &x, r, &mut y, Activation::None, 1))
-            });
+            g.bench_with_input(
+                BenchmarkId::new(format!("packed_{kernel:?}"), rows),
+                &rows,
+                |bch, &r| bch.iter(|| lin.forward_with(kernel, &x, r, &mut y, Activation::None, 1)),
+            );
         }
     }
     g.finish();

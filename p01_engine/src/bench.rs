@@ -41,7 +41,13 @@ pub struct BenchArgs {
 
 /// Images tiled to at least `n` rows, (n, 784) flat.
 fn image_pool(images: &Tensor, n: usize) -> Vec<f32> {
-    images.data().iter().copied().cycle().take(n * 784).collect()
+    images
+        .data()
+        .iter()
+        .copied()
+        .cycle()
+        .take(n * 784)
+        .collect()
 }
 
 /// Time `engine` at each batch size (one workspace, warmed per batch).
@@ -89,9 +95,13 @@ pub fn sweep_torch(args: &BenchArgs) -> Result<(Vec<Point>, f64, String)> {
         .output()
         .context("running scripts/bench_p01_torch.py")?;
     if !out.status.success() {
-        bail!("bench_p01_torch.py failed: {}", String::from_utf8_lossy(&out.stderr));
+        bail!(
+            "bench_p01_torch.py failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("parsing the PyTorch peer's JSON")?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).context("parsing the PyTorch peer's JSON")?;
     let points = v["points"]
         .as_array()
         .context("peer JSON has no points")?
@@ -103,12 +113,18 @@ pub fn sweep_torch(args: &BenchArgs) -> Result<(Vec<Point>, f64, String)> {
         })
         .collect();
     let flops = v["flops_per_image"].as_f64().unwrap_or(f64::NAN);
-    Ok((points, flops, v["torch"].as_str().unwrap_or("?").to_string()))
+    Ok((
+        points,
+        flops,
+        v["torch"].as_str().unwrap_or("?").to_string(),
+    ))
 }
 
 /// Median over rounds of each batch's median (and of its p95).
 fn combine(rounds: &[Vec<Point>]) -> Vec<Point> {
-    let Some(first) = rounds.first() else { return Vec::new() };
+    let Some(first) = rounds.first() else {
+        return Vec::new();
+    };
     first
         .iter()
         .enumerate()
@@ -146,7 +162,13 @@ fn resident_fraction(path: &Path) -> Result<f64> {
     let pages = map.len().div_ceil(page);
     let mut vec = vec![0u8; pages];
     // SAFETY: map is a live mapping of map.len() bytes; vec has one byte per page.
-    let rc = unsafe { libc::mincore(map.as_ptr() as *mut libc::c_void, map.len(), vec.as_mut_ptr()) };
+    let rc = unsafe {
+        libc::mincore(
+            map.as_ptr() as *mut libc::c_void,
+            map.len(),
+            vec.as_mut_ptr(),
+        )
+    };
     if rc != 0 {
         bail!("mincore failed on {}", path.display());
     }
@@ -160,7 +182,11 @@ pub fn load_times(dir: &Path, reps: usize) -> Result<Vec<(String, Summary)>> {
     let mut out = Vec::new();
     let mut cold_resident = Vec::new();
     for mmap in [false, true] {
-        let opts = LoadOptions { mmap, threads: 1, ..LoadOptions::default() };
+        let opts = LoadOptions {
+            mmap,
+            threads: 1,
+            ..LoadOptions::default()
+        };
         let kind = if mmap { "mmap" } else { "read" };
         let mut cold = Vec::new();
         let mut warm = Vec::new();
@@ -177,7 +203,10 @@ pub fn load_times(dir: &Path, reps: usize) -> Result<Vec<(String, Summary)>> {
         out.push((format!("load {kind} cold"), summarize(&cold)));
         out.push((format!("load {kind} warm"), summarize(&warm)));
     }
-    out.push(("page-cache residency before cold loads".into(), summarize(&cold_resident)));
+    out.push((
+        "page-cache residency before cold loads".into(),
+        summarize(&cold_resident),
+    ));
     Ok(out)
 }
 
@@ -189,7 +218,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let pool = image_pool(images, max_b);
     let opts = |fuse| LoadOptions {
         threads: args.threads,
-        compile: CompileOptions { fuse_linear_relu: fuse },
+        compile: CompileOptions {
+            fuse_linear_relu: fuse,
+        },
         ..LoadOptions::default()
     };
     let fused = Engine::load_with(&args.model_dir, opts(true))?;
@@ -226,7 +257,18 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let torch = combine(&torch);
 
     println!("\nbatch sweep (median of {} rounds; latency per call; ratio = PyTorch time / ours, >1 means we are faster)", args.rounds);
-    println!("{:>6} | {:>11} {:>11} {:>12} | {:>13} | {:>11} {:>11} {:>12} | {:>6}", "batch", "ours med", "ours p95", "ours img/s", "unfused med", "torch med", "torch p95", "torch img/s", "ratio");
+    println!(
+        "{:>6} | {:>11} {:>11} {:>12} | {:>13} | {:>11} {:>11} {:>12} | {:>6}",
+        "batch",
+        "ours med",
+        "ours p95",
+        "ours img/s",
+        "unfused med",
+        "torch med",
+        "torch p95",
+        "torch img/s",
+        "ratio"
+    );
     let us = |s: f64| format!("{:.1} us", s * 1e6);
     for (i, p) in ours.iter().enumerate() {
         let t = torch.get(i);
@@ -239,7 +281,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             us(plain[i].median_s),
             t.map_or("-".into(), |t| us(t.median_s)),
             t.map_or("-".into(), |t| us(t.p95_s)),
-            t.map_or("-".into(), |t| format!("{:.0}", t.batch as f64 / t.median_s)),
+            t.map_or("-".into(), |t| format!(
+                "{:.0}",
+                t.batch as f64 / t.median_s
+            )),
             t.map_or("-".into(), |t| format!("{:.2}", t.median_s / p.median_s)),
         );
     }
@@ -253,7 +298,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     // allocates its buffers and output on every call.
     let mut alloc_rows = Vec::new();
     println!("\nallocating forward vs forward_into (reused workspace), median of one run:");
-    for &b in args.batches.iter().filter(|&&b| b == 1 || b == 64 || b == 1024) {
+    for &b in args
+        .batches
+        .iter()
+        .filter(|&&b| b == 1 || b == 64 || b == 1024)
+    {
         let x = Tensor::new(vec![b, 784], pool[..b * 784].to_vec())?;
         let alloc = time_it(BenchConfig::default(), || {
             std::hint::black_box(fused.forward(&x).expect("valid input"));
@@ -273,19 +322,36 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         if name.starts_with("page") {
             println!("  {name}: {:.0}%", s.median * 100.0);
         } else {
-            println!("  {name}: {:.3} ms (p95 {:.3} ms)", s.median * 1e3, s.p95 * 1e3);
+            println!(
+                "  {name}: {:.3} ms (p95 {:.3} ms)",
+                s.median * 1e3,
+                s.p95 * 1e3
+            );
         }
     }
 
     // Plot: images/s vs batch, log-log.
-    let plot = |pts: &[Point]| pts.iter().map(|p| (p.batch as f64, p.batch as f64 / p.median_s)).collect::<Vec<_>>();
-    let mut series = vec![Series::new("ours (linear+relu fused)", plot(&ours)), Series::new("ours (unfused)", plot(&plain))];
+    let plot = |pts: &[Point]| {
+        pts.iter()
+            .map(|p| (p.batch as f64, p.batch as f64 / p.median_s))
+            .collect::<Vec<_>>()
+    };
+    let mut series = vec![
+        Series::new("ours (linear+relu fused)", plot(&ours)),
+        Series::new("ours (unfused)", plot(&plain)),
+    ];
     if !torch.is_empty() {
-        series.push(Series::new(format!("PyTorch {torch_version}"), plot(&torch)));
+        series.push(Series::new(
+            format!("PyTorch {torch_version}"),
+            plot(&torch),
+        ));
     }
     let png = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("plots/batch_sweep.png");
     let labels = Labels {
-        title: &format!("MNIST MLP forward, {} threads: throughput vs batch", args.threads),
+        title: &format!(
+            "MNIST MLP forward, {} threads: throughput vs batch",
+            args.threads
+        ),
         x: "batch size",
         y: "images / s",
     };
@@ -300,24 +366,56 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             _ => "",
         };
         for (i, p) in ours.iter().enumerate() {
-            rows.push(Row::new(format!("p01 mlp b={} latency median (ours)", p.batch), p.median_s * 1e6, "us").predicted(pred(p.batch)));
-            rows.push(Row::new(format!("p01 mlp b={} latency median (unfused)", p.batch), plain[i].median_s * 1e6, "us"));
+            rows.push(
+                Row::new(
+                    format!("p01 mlp b={} latency median (ours)", p.batch),
+                    p.median_s * 1e6,
+                    "us",
+                )
+                .predicted(pred(p.batch)),
+            );
+            rows.push(Row::new(
+                format!("p01 mlp b={} latency median (unfused)", p.batch),
+                plain[i].median_s * 1e6,
+                "us",
+            ));
             if let Some(t) = torch.get(i) {
-                rows.push(Row::new(format!("p01 mlp b={} latency median (PyTorch)", p.batch), t.median_s * 1e6, "us"));
+                rows.push(Row::new(
+                    format!("p01 mlp b={} latency median (PyTorch)", p.batch),
+                    t.median_s * 1e6,
+                    "us",
+                ));
                 let goal = match p.batch {
                     1 => "target > 1 (beat PyTorch at batch 1)",
                     1024 => "target >= 0.5",
                     _ => "",
                 };
-                rows.push(Row::new(format!("p01 mlp b={} speed ratio PyTorch/ours", p.batch), t.median_s / p.median_s, "x").predicted(goal));
+                rows.push(
+                    Row::new(
+                        format!("p01 mlp b={} speed ratio PyTorch/ours", p.batch),
+                        t.median_s / p.median_s,
+                        "x",
+                    )
+                    .predicted(goal),
+                );
             }
         }
         for &(b, alloc, reuse) in &alloc_rows {
-            rows.push(Row::new(format!("p01 mlp b={b} allocating forward / forward_into"), alloc / reuse, "x").predicted("~1.0-1.1 (buffers are small next to the matmuls)"));
+            rows.push(
+                Row::new(
+                    format!("p01 mlp b={b} allocating forward / forward_into"),
+                    alloc / reuse,
+                    "x",
+                )
+                .predicted("~1.0-1.1 (buffers are small next to the matmuls)"),
+            );
         }
         for (name, s) in &loads {
             if !name.starts_with("page") {
-                rows.push(Row::new(format!("p01 mlp {name} median"), s.median * 1e3, "ms").predicted("cold > warm; mmap ~ read at 1 MB"));
+                rows.push(
+                    Row::new(format!("p01 mlp {name} median"), s.median * 1e3, "ms")
+                        .predicted("cold > warm; mmap ~ read at 1 MB"),
+                );
             }
         }
         Recorder::for_workspace(&args.command).append(&rows)?;

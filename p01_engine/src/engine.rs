@@ -198,7 +198,13 @@ impl Engine {
             let width = node.in_shape.last().copied().unwrap_or(1);
             match &node.step {
                 // y = x W^T + b (optionally relu'd in the same pass)
-                Step::Linear { lin, act } => lin.forward(x, x.len() / lin.in_features.max(1), &mut y, *act, self.threads),
+                Step::Linear { lin, act } => lin.forward(
+                    x,
+                    x.len() / lin.in_features.max(1),
+                    &mut y,
+                    *act,
+                    self.threads,
+                ),
                 Step::Relu => {
                     y.copy_from_slice(x);
                     ops::relu_inplace(&mut y);
@@ -207,7 +213,9 @@ impl Engine {
                     y.copy_from_slice(x);
                     ops::gelu_inplace(&mut y, *a);
                 }
-                Step::LayerNorm { weight, bias, eps } => ops::layernorm_rows(x, width, weight, bias, *eps, &mut y),
+                Step::LayerNorm { weight, bias, eps } => {
+                    ops::layernorm_rows(x, width, weight, bias, *eps, &mut y)
+                }
                 Step::Softmax => {
                     y.copy_from_slice(x);
                     ops::softmax_rows_inplace(&mut y, width);

@@ -66,7 +66,10 @@ pub enum Slot {
 /// One executable op with its weights, already shaped and packed.
 #[derive(Debug)]
 pub enum Step {
-    Linear { lin: Linear, act: Activation },
+    Linear {
+        lin: Linear,
+        act: Activation,
+    },
     Relu,
     Gelu(GeluApprox),
     LayerNorm {
@@ -138,7 +141,12 @@ fn numel(shape: &[usize]) -> Option<usize> {
 
 /// Parse `model.json` text and check it against the weights; `path` names the
 /// file in errors.
-pub fn compile(json: &str, path: &Path, weights: &StFile, opts: CompileOptions) -> Result<Plan, EngineError> {
+pub fn compile(
+    json: &str,
+    path: &Path,
+    weights: &StFile,
+    opts: CompileOptions,
+) -> Result<Plan, EngineError> {
     let g: GraphFile = serde_json::from_str(json).map_err(|source| EngineError::Json {
         path: path.to_path_buf(),
         source,
@@ -149,11 +157,16 @@ pub fn compile(json: &str, path: &Path, weights: &StFile, opts: CompileOptions) 
     };
     if let Some(f) = &g.format {
         if f != "inference-lab/p01-graph/v1" {
-            return Err(graph_err(format!("format is `{f}`, expected `inference-lab/p01-graph/v1`")));
+            return Err(graph_err(format!(
+                "format is `{f}`, expected `inference-lab/p01-graph/v1`"
+            )));
         }
     }
     if g.nodes.is_empty() || g.nodes.len() > MAX_NODES {
-        return Err(graph_err(format!("has {} nodes, expected 1..={MAX_NODES}", g.nodes.len())));
+        return Err(graph_err(format!(
+            "has {} nodes, expected 1..={MAX_NODES}",
+            g.nodes.len()
+        )));
     }
     if g.input.shape.len() > MAX_RANK || numel(&g.input.shape).is_none() {
         return Err(graph_err(format!(
@@ -185,12 +198,17 @@ pub fn compile(json: &str, path: &Path, weights: &StFile, opts: CompileOptions) 
             weights,
         };
         if values.contains_key(&spec.output) {
-            return Err(ctx.err(format!("output `{}` is already defined earlier", spec.output)));
+            return Err(ctx.err(format!(
+                "output `{}` is already defined earlier",
+                spec.output
+            )));
         }
         let mut ins = Vec::with_capacity(spec.inputs.len());
         for name in &spec.inputs {
             let (slot, shape) = values.get(name).ok_or_else(|| {
-                ctx.err(format!("input `{name}` is not the graph input or an earlier node's output"))
+                ctx.err(format!(
+                    "input `{name}` is not the graph input or an earlier node's output"
+                ))
             })?;
             ins.push((*slot, shape.clone()));
         }
@@ -200,7 +218,8 @@ pub fn compile(json: &str, path: &Path, weights: &StFile, opts: CompileOptions) 
         }
         let in_shape = ins[0].1.clone();
         let (step, out_shape) = ctx.build_step(&in_shape, &ins, &mut used_params)?;
-        let _ = numel(&out_shape).ok_or_else(|| ctx.err(format!("output shape {out_shape:?} is too large")))?;
+        let _ = numel(&out_shape)
+            .ok_or_else(|| ctx.err(format!("output shape {out_shape:?} is too large")))?;
 
         // linear -> relu fusion: the relu reuses the linear's buffer.
         if opts.fuse_linear_relu && matches!(step, Step::Relu) {
@@ -208,7 +227,11 @@ pub fn compile(json: &str, path: &Path, weights: &StFile, opts: CompileOptions) 
                 let prev_spec = &g.nodes[idx - 1];
                 let only_reader = readers.get(prev_spec.output.as_str()) == Some(&1);
                 if let Step::Linear { act, .. } = &mut prev.step {
-                    if prev.output == b && only_reader && *act == Activation::None && prev_spec.output != g.output {
+                    if prev.output == b
+                        && only_reader
+                        && *act == Activation::None
+                        && prev_spec.output != g.output
+                    {
                         *act = Activation::Relu;
                         prev.label = format!("{} + {label}", prev.label);
                         values.insert(spec.output.clone(), (Slot::Buf(b), out_shape));
@@ -234,7 +257,10 @@ pub fn compile(json: &str, path: &Path, weights: &StFile, opts: CompileOptions) 
         .get(&g.output)
         .ok_or_else(|| graph_err(format!("output `{}` is not produced by any node", g.output)))?;
     let Slot::Buf(output) = *slot else {
-        return Err(graph_err(format!("output `{}` is the graph input; no node computes it", g.output)));
+        return Err(graph_err(format!(
+            "output `{}` is the graph input; no node computes it",
+            g.output
+        )));
     };
     Ok(Plan {
         input_name: g.input.name,
@@ -298,9 +324,15 @@ impl NodeCtx<'_> {
             ))
         })?;
         let ok = t.shape().len() == expected.len()
-            && t.shape().iter().zip(expected).all(|(&d, e)| e.is_none_or(|e| e == d));
+            && t.shape()
+                .iter()
+                .zip(expected)
+                .all(|(&d, e)| e.is_none_or(|e| e == d));
         if !ok {
-            let exp: Vec<String> = expected.iter().map(|e| e.map_or("_".into(), |d| d.to_string())).collect();
+            let exp: Vec<String> = expected
+                .iter()
+                .map(|e| e.map_or("_".into(), |d| d.to_string()))
+                .collect();
             return Err(self.err(format!(
                 "tensor `{name}` ({key}) has shape {:?}, expected [{}]",
                 t.shape(),
@@ -319,7 +351,11 @@ impl NodeCtx<'_> {
     ) -> Result<(Step, Vec<usize>), EngineError> {
         let width = in_shape.last().copied();
         let need_width = || {
-            width.ok_or_else(|| self.err(format!("input has shape {in_shape:?}; this op needs a last dimension")))
+            width.ok_or_else(|| {
+                self.err(format!(
+                    "input has shape {in_shape:?}; this op needs a last dimension"
+                ))
+            })
         };
         let same = || in_shape.to_vec();
         Ok(match self.spec.op.as_str() {

@@ -48,7 +48,7 @@ pub struct Linear {
 /// Naive reference: y[r, o] = b[o] + sum_k x[r, k] * w[o, k], with W as PyTorch
 /// stores it, (out, in). x is (rows, in); returns (rows, out).
 pub fn linear_ref(x: &[f32], rows: usize, w: &[f32], b: Option<&[f32]>, out_f: usize) -> Vec<f32> {
-    let in_f = if rows == 0 { 0 } else { x.len() / rows };
+    let in_f = x.len().checked_div(rows).unwrap_or(0);
     let mut y = vec![0.0; rows * out_f];
     for r in 0..rows {
         for o in 0..out_f {
@@ -65,8 +65,17 @@ pub fn linear_ref(x: &[f32], rows: usize, w: &[f32], b: Option<&[f32]>, out_f: u
 impl Linear {
     /// Pack W (out, in) and optional b (out). Lengths are the caller's
     /// contract (the graph validates them at load); mismatches panic here.
-    pub fn new(weight: &[f32], bias: Option<&[f32]>, out_features: usize, in_features: usize) -> Self {
-        assert_eq!(weight.len(), out_features * in_features, "weight is (out, in)");
+    pub fn new(
+        weight: &[f32],
+        bias: Option<&[f32]>,
+        out_features: usize,
+        in_features: usize,
+    ) -> Self {
+        assert_eq!(
+            weight.len(),
+            out_features * in_features,
+            "weight is (out, in)"
+        );
         let n_stripes = out_features.div_ceil(STRIPE);
         let mut packed = vec![0.0f32; n_stripes * in_features * STRIPE];
         for o in 0..out_features {
@@ -106,8 +115,20 @@ impl Linear {
     /// [`Linear::forward`] on a chosen kernel (tests hold every kernel to the
     /// reference). Falls back to the portable kernel if `kernel` is not
     /// supported by this CPU.
-    pub fn forward_with(&self, kernel: Kernel, x: &[f32], rows: usize, y: &mut [f32], act: Activation, threads: usize) {
-        let kernel = if kernel.supported() { kernel } else { Kernel::Portable };
+    pub fn forward_with(
+        &self,
+        kernel: Kernel,
+        x: &[f32],
+        rows: usize,
+        y: &mut [f32],
+        act: Activation,
+        threads: usize,
+    ) {
+        let kernel = if kernel.supported() {
+            kernel
+        } else {
+            Kernel::Portable
+        };
         let (in_f, out_f) = (self.in_features, self.out_features);
         assert_eq!(x.len(), rows * in_f, "x is (rows, in)");
         assert_eq!(y.len(), rows * out_f, "y is (rows, out)");
@@ -117,7 +138,17 @@ impl Linear {
         let n_stripes = self.n_stripes();
         if threads <= 1 || rows * self.macs_per_row() < PAR_MIN_MACS {
             // SAFETY: x and y have the lengths asserted above; stripes 0..n_stripes exist.
-            unsafe { self.run(kernel, x.as_ptr(), rows, y.as_mut_ptr(), out_f, 0..n_stripes, act) };
+            unsafe {
+                self.run(
+                    kernel,
+                    x.as_ptr(),
+                    rows,
+                    y.as_mut_ptr(),
+                    out_f,
+                    0..n_stripes,
+                    act,
+                )
+            };
         } else if rows >= ROW_SPLIT_MIN_ROWS {
             // Split rows into one contiguous chunk per thread (whole micro-tiles).
             let per = rows.div_ceil(threads).div_ceil(MR) * MR;
@@ -126,7 +157,17 @@ impl Linear {
                 .for_each(|(yc, xc)| {
                     let r = xc.len() / in_f;
                     // SAFETY: xc is (r, in), yc is (r, out), disjoint per task.
-                    unsafe { self.run(kernel, xc.as_ptr(), r, yc.as_mut_ptr(), out_f, 0..n_stripes, act) };
+                    unsafe {
+                        self.run(
+                            kernel,
+                            xc.as_ptr(),
+                            r,
+                            yc.as_mut_ptr(),
+                            out_f,
+                            0..n_stripes,
+                            act,
+                        )
+                    };
                 });
         } else {
             // Few rows (decode-like): split stripes, so each core streams only
@@ -178,9 +219,13 @@ impl Linear {
                     match kernel {
                         #[cfg(target_arch = "x86_64")]
                         // SAFETY: Kernel::Avx2 is only chosen when avx2 and fma are detected.
-                        Kernel::Avx2 => unsafe { avx2::tile(mr, xt, in_f, w, b, yt, ldy, cols, relu) },
+                        Kernel::Avx2 => unsafe {
+                            avx2::tile(mr, xt, in_f, w, b, yt, ldy, cols, relu)
+                        },
                         // SAFETY: as above; the portable tile needs no CPU features.
-                        Kernel::Portable => unsafe { tile_portable(mr, xt, in_f, w, b, yt, ldy, cols, relu) },
+                        Kernel::Portable => unsafe {
+                            tile_portable(mr, xt, in_f, w, b, yt, ldy, cols, relu)
+                        },
                     }
                     r += mr;
                 }
@@ -261,7 +306,12 @@ unsafe fn tile_portable(
     relu: bool,
 ) {
     // SAFETY: lengths per the function contract.
-    let (w, b) = unsafe { (std::slice::from_raw_parts(w, in_f * STRIPE), std::slice::from_raw_parts(b, STRIPE)) };
+    let (w, b) = unsafe {
+        (
+            std::slice::from_raw_parts(w, in_f * STRIPE),
+            std::slice::from_raw_parts(b, STRIPE),
+        )
+    };
     for r in 0..mr {
         // SAFETY: row r of x is in_f long.
         let xr = unsafe { std::slice::from_raw_parts(x.add(r * in_f), in_f) };
@@ -330,9 +380,9 @@ mod avx2 {
         cols: usize,
         relu: bool,
     ) {
-        // SAFETY (whole body): every pointer offset stays inside the ranges
-        // the caller guarantees: x rows 0..R of in_f, w (in_f, 16), b 16,
-        // y rows 0..R with `cols` (<= 16) writable values each.
+        // SAFETY: every pointer offset stays inside the ranges the caller
+        // guarantees: x rows 0..R of in_f, w (in_f, 16), b 16, y rows 0..R
+        // with `cols` (<= 16) writable values each.
         unsafe {
             let b0 = _mm256_loadu_ps(b);
             let b1 = _mm256_loadu_ps(b.add(8));

@@ -28,7 +28,11 @@ enum Cmd {
     /// Sweep batch sizes beside PyTorch, plot, and append rows to numbers.md.
     Bench {
         /// Comma-separated batch sizes.
-        #[arg(long, default_value = "1,2,4,8,16,32,64,128,256,512,1024", value_delimiter = ',')]
+        #[arg(
+            long,
+            default_value = "1,2,4,8,16,32,64,128,256,512,1024",
+            value_delimiter = ','
+        )]
         batches: Vec<usize>,
         /// A B A B rounds.
         #[arg(long, default_value_t = 2)]
@@ -45,13 +49,29 @@ enum Cmd {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     let fixtures = p01_engine::fixtures_dir();
-    let model_dir = cli.model_dir.clone().unwrap_or_else(|| fixtures.join("mlp"));
-    let data = cli.data.clone().unwrap_or_else(|| fixtures.join("mnist_test.safetensors"));
-    let threads = cli.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().context("building the thread pool")?;
+    let model_dir = cli
+        .model_dir
+        .clone()
+        .unwrap_or_else(|| fixtures.join("mlp"));
+    let data = cli
+        .data
+        .clone()
+        .unwrap_or_else(|| fixtures.join("mnist_test.safetensors"));
+    let threads = cli
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global()
+        .context("building the thread pool")?;
     match cli.cmd {
         None => parity(&model_dir, &data, threads),
-        Some(Cmd::Bench { batches, rounds, no_peer, no_record }) => {
+        Some(Cmd::Bench {
+            batches,
+            rounds,
+            no_peer,
+            no_record,
+        }) => {
             if batches.is_empty() || batches.contains(&0) {
                 bail!("--batches needs positive sizes");
             }
@@ -74,11 +94,21 @@ fn main() -> Result<()> {
 
 /// Run every test digit through the engine and compare with PyTorch.
 fn parity(model_dir: &std::path::Path, data: &std::path::Path, threads: usize) -> Result<()> {
-    let engine = Engine::load_with(model_dir, p01_engine::LoadOptions { threads, ..Default::default() })?;
+    let engine = Engine::load_with(
+        model_dir,
+        p01_engine::LoadOptions {
+            threads,
+            ..Default::default()
+        },
+    )?;
     let s = engine.stats();
     println!("model {}: {} params ({} weight bytes), {} FLOPs/image in linear layers, loaded in {:.2} ms",
         model_dir.display(), s.n_params, s.weight_bytes, s.linear_flops_per_example, engine.load_time.as_secs_f64() * 1e3);
-    println!("kernel {:?} ({}), {threads} threads", p01_engine::linear::Kernel::detect(), common::assets::simd_description());
+    println!(
+        "kernel {:?} ({}), {threads} threads",
+        p01_engine::linear::Kernel::detect(),
+        common::assets::simd_description()
+    );
     let mut f = common::st::load(data)?;
     let images = f.take("images")?;
     let expected = f.take("logits")?;
@@ -90,11 +120,21 @@ fn parity(model_dir: &std::path::Path, data: &std::path::Path, threads: usize) -
     let ours = logits.argmax_rows()?;
     let theirs = expected.argmax_rows()?;
     let n = ours.len();
-    let correct = ours.iter().zip(&labels).filter(|(p, l)| **p as i64 == **l).count();
+    let correct = ours
+        .iter()
+        .zip(&labels)
+        .filter(|(p, l)| **p as i64 == **l)
+        .count();
     let agree = ours.iter().zip(&theirs).filter(|(a, b)| a == b).count();
     println!("{n} test digits in {:.2} ms", dt.as_secs_f64() * 1e3);
-    println!("accuracy: {:.2}% ({correct}/{n})", 100.0 * correct as f64 / n as f64);
-    println!("max |logit - PyTorch| = {:.3e} (bar 1e-5) at flat index {}: {} vs {}", d.max_abs, d.worst_index, d.actual, d.expected);
+    println!(
+        "accuracy: {:.2}% ({correct}/{n})",
+        100.0 * correct as f64 / n as f64
+    );
+    println!(
+        "max |logit - PyTorch| = {:.3e} (bar 1e-5) at flat index {}: {} vs {}",
+        d.max_abs, d.worst_index, d.actual, d.expected
+    );
     println!("argmax identical to PyTorch: {agree}/{n}");
     if d.max_abs >= 1e-5 || agree != n {
         bail!("parity FAILED");

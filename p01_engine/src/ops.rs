@@ -86,11 +86,20 @@ pub fn softmax_rows_inplace(x: &mut [f32], width: usize) {
 
 /// Embedding lookup: each id selects a row of `table` (vocab, dim). Ids come
 /// as f32 (the engine's one input type) and must be integers in [0, vocab).
-pub fn embedding_rows(ids: &[f32], table: &[f32], dim: usize, y: &mut [f32]) -> Result<(), OpError> {
-    let vocab = if dim == 0 { 0 } else { table.len() / dim };
+pub fn embedding_rows(
+    ids: &[f32],
+    table: &[f32],
+    dim: usize,
+    y: &mut [f32],
+) -> Result<(), OpError> {
+    let vocab = table.len().checked_div(dim).unwrap_or(0);
     for (i, &id) in ids.iter().enumerate() {
         if !(id >= 0.0 && id.fract() == 0.0 && (id as usize) < vocab) {
-            return Err(OpError::EmbeddingId { index: i, id, vocab });
+            return Err(OpError::EmbeddingId {
+                index: i,
+                id,
+                vocab,
+            });
         }
         let row = id as usize;
         y[i * dim..(i + 1) * dim].copy_from_slice(&table[row * dim..(row + 1) * dim]);
@@ -120,14 +129,22 @@ fn with_shape(shape: Vec<usize>, data: Vec<f32>) -> Result<Tensor, OpError> {
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor, OpError> {
     let (rows, in_f) = rows_width(x)?;
     let &[out_f, w_in] = w.shape() else {
-        return Err(OpError::Shape(format!("linear weight must be (out, in), got {:?}", w.shape())));
+        return Err(OpError::Shape(format!(
+            "linear weight must be (out, in), got {:?}",
+            w.shape()
+        )));
     };
     if w_in != in_f {
-        return Err(OpError::Shape(format!("linear: x width {in_f} but weight is ({out_f}, {w_in})")));
+        return Err(OpError::Shape(format!(
+            "linear: x width {in_f} but weight is ({out_f}, {w_in})"
+        )));
     }
     if let Some(b) = b {
         if b.shape() != [out_f] {
-            return Err(OpError::Shape(format!("linear: bias {:?}, expected [{out_f}]", b.shape())));
+            return Err(OpError::Shape(format!(
+                "linear: bias {:?}, expected [{out_f}]",
+                b.shape()
+            )));
         }
     }
     let lin = Linear::new(w.data(), b.map(Tensor::data), out_f, in_f);
@@ -182,7 +199,10 @@ pub fn softmax(x: &Tensor) -> Result<Tensor, OpError> {
 /// ids of any shape -> (ids.shape..., dim).
 pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor, OpError> {
     let &[_, dim] = table.shape() else {
-        return Err(OpError::Shape(format!("embedding table must be (vocab, dim), got {:?}", table.shape())));
+        return Err(OpError::Shape(format!(
+            "embedding table must be (vocab, dim), got {:?}",
+            table.shape()
+        )));
     };
     let mut y = vec![0.0; ids.numel() * dim];
     embedding_rows(ids.data(), table.data(), dim, &mut y)?;
@@ -193,7 +213,11 @@ pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor, OpError> {
 
 pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor, OpError> {
     if a.shape() != b.shape() {
-        return Err(OpError::Shape(format!("add: {:?} vs {:?}", a.shape(), b.shape())));
+        return Err(OpError::Shape(format!(
+            "add: {:?} vs {:?}",
+            a.shape(),
+            b.shape()
+        )));
     }
     let mut y = vec![0.0; a.numel()];
     add_into(a.data(), b.data(), &mut y);

@@ -15,10 +15,20 @@ impl Scratch {
         let src = p01_engine::fixtures_dir().join("mlp");
         let dir = std::env::temp_dir().join(format!("p01-bad-{tag}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        std::fs::copy(src.join("weights.safetensors"), dir.join("weights.safetensors")).unwrap();
-        let mut g: Value = serde_json::from_str(&std::fs::read_to_string(src.join("model.json")).unwrap()).unwrap();
+        std::fs::copy(
+            src.join("weights.safetensors"),
+            dir.join("weights.safetensors"),
+        )
+        .unwrap();
+        let mut g: Value =
+            serde_json::from_str(&std::fs::read_to_string(src.join("model.json")).unwrap())
+                .unwrap();
         edit(&mut g);
-        std::fs::write(dir.join("model.json"), serde_json::to_string_pretty(&g).unwrap()).unwrap();
+        std::fs::write(
+            dir.join("model.json"),
+            serde_json::to_string_pretty(&g).unwrap(),
+        )
+        .unwrap();
         Scratch(dir)
     }
     fn path(&self) -> &Path {
@@ -55,12 +65,19 @@ fn unknown_op_names_node_and_op() {
 #[test]
 fn missing_param_and_missing_tensor() {
     let e = load_err("param", |g| {
-        g["nodes"][2]["params"].as_object_mut().unwrap().remove("weight");
+        g["nodes"][2]["params"]
+            .as_object_mut()
+            .unwrap()
+            .remove("weight");
     });
     assert_mentions(&e, &["node 2 (linear -> h2)", "missing param `weight`"]);
-    let e = load_err("tensor", |g| g["nodes"][4]["params"]["bias"] = json!("fc9.bias"));
+    let e = load_err("tensor", |g| {
+        g["nodes"][4]["params"]["bias"] = json!("fc9.bias")
+    });
     assert_mentions(&e, &["node 4", "`fc9.bias`", "weights.safetensors"]);
-    let e = load_err("typo", |g| g["nodes"][0]["params"]["wieght"] = json!("fc1.weight"));
+    let e = load_err("typo", |g| {
+        g["nodes"][0]["params"]["wieght"] = json!("fc1.weight")
+    });
     assert_mentions(&e, &["node 0", "unknown param `wieght`"]);
 }
 
@@ -68,16 +85,29 @@ fn missing_param_and_missing_tensor() {
 fn shapes_that_do_not_chain_name_expected_and_found() {
     // fc2 (128, 256) fed the 784-wide input instead of a1.
     let e = load_err("chain", |g| g["nodes"][2]["inputs"] = json!(["x"]));
-    assert_mentions(&e, &["node 2 (linear -> h2)", "`fc2.weight`", "[128, 256]", "expected [_, 784]"]);
+    assert_mentions(
+        &e,
+        &[
+            "node 2 (linear -> h2)",
+            "`fc2.weight`",
+            "[128, 256]",
+            "expected [_, 784]",
+        ],
+    );
     // The input declared 783 wide.
     let e = load_err("width", |g| g["input"]["shape"] = json!([783]));
     assert_mentions(&e, &["node 0", "[256, 784]", "expected [_, 783]"]);
     // A bias of the wrong length.
-    let e = load_err("bias", |g| g["nodes"][0]["params"]["bias"] = json!("fc2.bias"));
+    let e = load_err("bias", |g| {
+        g["nodes"][0]["params"]["bias"] = json!("fc2.bias")
+    });
     assert_mentions(&e, &["node 0", "`fc2.bias`", "[128]", "expected [256]"]);
     // add of two different widths.
     let e = load_err("add", |g| {
-        g["nodes"].as_array_mut().unwrap().push(json!({"op": "add", "inputs": ["x", "logits"], "params": {}, "output": "z"}));
+        g["nodes"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"op": "add", "inputs": ["x", "logits"], "params": {}, "output": "z"}));
         g["output"] = json!("z");
     });
     assert_mentions(&e, &["node 5 (add -> z)", "[784]", "[10]"]);
@@ -109,7 +139,17 @@ fn missing_and_truncated_weights_name_the_file() {
 
     let full = std::fs::read(p01_engine::fixtures_dir().join("mlp/weights.safetensors")).unwrap();
     let header = 8 + u64::from_le_bytes(full[..8].try_into().unwrap()) as usize;
-    for cut in [0, 4, 8, 9, header - 1, header, header + 1, full.len() / 2, full.len() - 1] {
+    for cut in [
+        0,
+        4,
+        8,
+        9,
+        header - 1,
+        header,
+        header + 1,
+        full.len() / 2,
+        full.len() - 1,
+    ] {
         std::fs::write(s.path().join("weights.safetensors"), &full[..cut]).unwrap();
         let e = Engine::load(s.path()).unwrap_err();
         assert!(matches!(e, EngineError::Weights(_)), "cut {cut}: {e}");
@@ -149,7 +189,10 @@ fn random_corruption_never_panics() {
             errors += 1;
         }
     }
-    assert!(errors > 50, "most corruptions should be rejected, only {errors} were");
+    assert!(
+        errors > 50,
+        "most corruptions should be rejected, only {errors} were"
+    );
 }
 
 #[test]
@@ -174,6 +217,11 @@ fn out_of_range_embedding_id_is_an_error_naming_the_node() {
     let engine = Engine::load(p01_engine::fixtures_dir().join("every_op")).unwrap();
     let mut ids = vec![1.0f32; 8];
     ids[5] = 50.0; // vocab is 50
-    let e = engine.forward(&Tensor::new(vec![1, 8], ids).unwrap()).unwrap_err();
-    assert_mentions(&e.to_string(), &["node 0 (embedding -> e)", "index 5", "[0, 50)"]);
+    let e = engine
+        .forward(&Tensor::new(vec![1, 8], ids).unwrap())
+        .unwrap_err();
+    assert_mentions(
+        &e.to_string(),
+        &["node 0 (embedding -> e)", "index 5", "[0, 50)"],
+    );
 }

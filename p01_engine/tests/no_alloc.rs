@@ -37,7 +37,9 @@ fn forward_into_allocates_nothing_after_warmup() {
     for (model, fuse) in [("mlp", true), ("mlp", false), ("every_op", true)] {
         let opts = LoadOptions {
             threads: 1,
-            compile: CompileOptions { fuse_linear_relu: fuse },
+            compile: CompileOptions {
+                fuse_linear_relu: fuse,
+            },
             ..LoadOptions::default()
         };
         let engine = Engine::load_with(p01_engine::fixtures_dir().join(model), opts).unwrap();
@@ -49,12 +51,19 @@ fn forward_into_allocates_nothing_after_warmup() {
         let before = ALLOCS.load(Ordering::SeqCst);
         let mut checksum = 0.0f32;
         for batch in [1, 64, 7, 64, 1] {
-            let y = engine.forward_into(&mut ws, &input[..batch * per], batch).unwrap();
+            let y = engine
+                .forward_into(&mut ws, &input[..batch * per], batch)
+                .unwrap();
             checksum += y[0];
         }
         let after = ALLOCS.load(Ordering::SeqCst);
         assert!(checksum.is_finite());
-        assert_eq!(after - before, 0, "{model} (fuse {fuse}): forward_into allocated {} times", after - before);
+        assert_eq!(
+            after - before,
+            0,
+            "{model} (fuse {fuse}): forward_into allocated {} times",
+            after - before
+        );
 
         // The counter works: the allocating API is seen.
         let t = common::Tensor::new(vec![1, per], input[..per].to_vec()).unwrap();

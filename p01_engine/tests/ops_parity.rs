@@ -17,11 +17,16 @@ const RTOL: f32 = 1e-5;
 #[test]
 fn every_op_case_matches_pytorch() {
     let dir = p01_engine::fixtures_dir();
-    let cases: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("ops.json")).unwrap()).unwrap();
+    let cases: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("ops.json")).unwrap()).unwrap();
     let f = st::load(&dir.join("ops.safetensors")).unwrap();
     let mut seen = std::collections::BTreeSet::new();
     let cases = cases["cases"].as_array().unwrap();
-    assert!(cases.len() >= 15, "expected the full case list, found {}", cases.len());
+    assert!(
+        cases.len() >= 15,
+        "expected the full case list, found {}",
+        cases.len()
+    );
     for c in cases {
         let op = c["op"].as_str().unwrap();
         let name = c["case"].as_str().unwrap();
@@ -31,7 +36,11 @@ fn every_op_case_matches_pytorch() {
             "linear" => ops::linear(t("x"), t("weight"), Some(t("bias"))).unwrap(),
             "relu" => ops::relu(t("x")),
             "gelu" => {
-                let a = if attrs["approximate"] == "tanh" { GeluApprox::Tanh } else { GeluApprox::Erf };
+                let a = if attrs["approximate"] == "tanh" {
+                    GeluApprox::Tanh
+                } else {
+                    GeluApprox::Erf
+                };
                 ops::gelu(t("x"), a)
             }
             "layernorm" => {
@@ -46,11 +55,20 @@ fn every_op_case_matches_pytorch() {
         check_close(name, &got, t("y"), ATOL, RTOL).unwrap_or_else(|e| panic!("{e}"));
         if op == "linear" {
             let naive = ops::linear_naive(t("x"), t("weight"), Some(t("bias"))).unwrap();
-            check_close(&format!("{name} (naive)"), &naive, t("y"), ATOL, RTOL).unwrap_or_else(|e| panic!("{e}"));
+            check_close(&format!("{name} (naive)"), &naive, t("y"), ATOL, RTOL)
+                .unwrap_or_else(|e| panic!("{e}"));
         }
         seen.insert(op.to_string());
     }
-    let all = ["add", "embedding", "gelu", "layernorm", "linear", "relu", "softmax"];
+    let all = [
+        "add",
+        "embedding",
+        "gelu",
+        "layernorm",
+        "linear",
+        "relu",
+        "softmax",
+    ];
     assert_eq!(seen.into_iter().collect::<Vec<_>>(), all);
 }
 
@@ -94,7 +112,8 @@ fn fast_linear_matches_naive_on_awkward_shapes() {
                             let what = format!("rows {rows} in {in_f} out {out_f} {kernel:?} threads {threads} {act:?}");
                             let e = Tensor::new(vec![rows, out_f], expected.clone()).unwrap();
                             let g = Tensor::new(vec![rows, out_f], y).unwrap();
-                            check_close(&what, &g, &e, 1e-5, 1e-5).unwrap_or_else(|e| panic!("{e}"));
+                            check_close(&what, &g, &e, 1e-5, 1e-5)
+                                .unwrap_or_else(|e| panic!("{e}"));
                             checked += 1;
                         }
                         expected = linear_ref(&x, rows, &w, Some(&b), out_f);
@@ -103,14 +122,22 @@ fn fast_linear_matches_naive_on_awkward_shapes() {
             }
         }
     }
-    assert_eq!(checked, rows_set.len() * in_set.len() * out_set.len() * 2 * 3 * 2);
+    assert_eq!(
+        checked,
+        rows_set.len() * in_set.len() * out_set.len() * 2 * 3 * 2
+    );
 }
 
 #[test]
 fn threaded_paths_are_exercised_and_agree() {
     // Shapes large enough to pass PAR_MIN_MACS: one row (stripe split) and
     // many rows (row split), against the single-thread result.
-    for (rows, in_f, out_f) in [(1, 576, 8192 + 5), (3, 576, 2500), (200, 784, 256), (37, 784, 256)] {
+    for (rows, in_f, out_f) in [
+        (1, 576, 8192 + 5),
+        (3, 576, 2500),
+        (200, 784, 256),
+        (37, 784, 256),
+    ] {
         assert!(rows * in_f * out_f >= p01_engine::linear::PAR_MIN_MACS);
         let x = rand_vec(rows * in_f, 7 + rows as u64);
         let w = rand_vec(out_f * in_f, 8 + in_f as u64);
@@ -119,7 +146,10 @@ fn threaded_paths_are_exercised_and_agree() {
         let mut y2 = vec![1.0; rows * out_f];
         lin.forward(&x, rows, &mut y1, Activation::None, 1);
         lin.forward(&x, rows, &mut y2, Activation::None, 2);
-        assert_eq!(y1, y2, "rows {rows}: threads must not change the arithmetic");
+        assert_eq!(
+            y1, y2,
+            "rows {rows}: threads must not change the arithmetic"
+        );
         let r = linear_ref(&x, rows, &w, None, out_f);
         let d = common::compare::diff(&y1, &r, 1e-4, 1e-4).unwrap();
         assert_eq!(d.n_bad, 0, "rows {rows}: {d:?}");
@@ -137,6 +167,16 @@ fn softmax_survives_huge_logits_and_embedding_rejects_bad_ids() {
     for bad in [3.0, -1.0, 0.5, f32::NAN] {
         let ids = Tensor::new(vec![2], vec![0.0, bad]).unwrap();
         let e = ops::embedding(&ids, &table).unwrap_err();
-        assert!(matches!(e, p01_engine::OpError::EmbeddingId { index: 1, vocab: 3, .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                p01_engine::OpError::EmbeddingId {
+                    index: 1,
+                    vocab: 3,
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 }
