@@ -1,0 +1,222 @@
+//! Micro-kernels: C[MR x NR] = alpha * (A sliver . B sliver) + beta * C, with
+//! the whole MR x NR block of C held in vector registers across the k loop.
+//!
+//! Per k step a kernel loads NR values of packed B (2 vectors), broadcasts
+//! MR values of packed A, and issues 2*MR fused multiply-adds into 2*MR
+//! independent accumulators: enough chains to cover the FMA latency (4
+//! cycles x 2 units = 8 in flight) and few enough loads per FMA that the
+//! load ports are not the limit.
+//!
+//! The AVX2 and AVX-512 kernels are one body instantiated twice by a macro
+//! (only the vector type and intrinsic names differ); the portable kernel is
+//! plain Rust with const dimensions and is instantiated at both geometries so
+//! the packing for the AVX-512 shape is tested on any machine.
+
+/// A micro-kernel function: (kc, packed A sliver, packed B sliver, C, ldc,
+/// alpha, beta). beta == 0 means C is write-only (never read, so NaN in C is
+/// ignored, as BLAS specifies).
+pub type KernelFn = unsafe fn(usize, *const f32, *const f32, *mut f32, usize, f32, f32);
+
+/// A micro-kernel with its register-tile shape and the cache blocking that
+/// suits it. All block sizes live here, one place.
+#[derive(Clone, Copy, Debug)]
+pub struct MicroKernel {
+    pub name: &'static str,
+    /// Rows of the register tile.
+    pub mr: usize,
+    /// Columns of the register tile.
+    pub nr: usize,
+    /// K block: a B sliver (kc x nr) plus an A sliver (mr x kc) fit in L1d
+    /// (AVX2: 256 * (6 + 16) * 4 B = 22.5 KB of 32 KB).
+    pub kc: usize,
+    /// M block: a packed A block (mc x kc) fills about half of L2
+    /// (AVX2: 144 * 256 * 4 B = 147 KB of 512 KB, leaving room for B slivers and C).
+    pub mc: usize,
+    /// N block: a packed B panel (kc x nc) lives in L3 (4096 * 256 * 4 B = 4 MB).
+    pub nc: usize,
+    pub func: KernelFn,
+}
+
+impl MicroKernel {
+    /// Plain Rust, 6 x 16.
+    pub const PORTABLE: MicroKernel = MicroKernel {
+        name: "portable 6x16",
+        mr: 6,
+        nr: 16,
+        kc: 256,
+        mc: 144,
+        nc: 4096,
+        func: portable::<6, 16>,
+    };
+    /// Plain Rust at the AVX-512 geometry, 8 x 32 (tests the packing for it).
+    pub const PORTABLE_8X32: MicroKernel = MicroKernel {
+        name: "portable 8x32",
+        mr: 8,
+        nr: 32,
+        kc: 256,
+        mc: 192,
+        nc: 4096,
+        func: portable::<8, 32>,
+    };
+    #[cfg(target_arch = "x86_64")]
+    pub const AVX2: MicroKernel = MicroKernel {
+        name: "avx2+fma 6x16",
+        mr: 6,
+        nr: 16,
+        kc: 256,
+        mc: 144,
+        nc: 4096,
+        func: x86::avx2_6x16,
+    };
+    /// 8 x 32: 16 zmm accumulators of 32; B sliver + A sliver = 256 * 40 * 4 B = 40 KB
+    /// (L1d is 48 KB on the AVX-512 Xeons this targets).
+    #[cfg(target_arch = "x86_64")]
+    pub const AVX512: MicroKernel = MicroKernel {
+        name: "avx512f 8x32",
+        mr: 8,
+        nr: 32,
+        kc: 256,
+        mc: 192,
+        nc: 4096,
+        func: x86::avx512_8x32,
+    };
+
+    /// Whether this CPU can run the kernel.
+    pub fn supported(&self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if self.name == Self::AVX2.name {
+                return is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+            }
+            if self.name == Self::AVX512.name {
+                return is_x86_feature_detected!("avx512f");
+            }
+        }
+        true
+    }
+
+    /// Every kernel this CPU can run, fastest first.
+    pub fn available() -> Vec<MicroKernel> {
+        let mut all = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            all.push(Self::AVX512);
+            all.push(Self::AVX2);
+        }
+        all.push(Self::PORTABLE);
+        all.push(Self::PORTABLE_8X32);
+        all.into_iter().filter(MicroKernel::supported).collect()
+    }
+
+    /// The fastest supported kernel, detected once. `P02_KERNEL=avx2` or
+    /// `=portable` forces a slower one (for comparisons and debugging).
+    pub fn best() -> MicroKernel {
+        use std::sync::OnceLock;
+        static BEST: OnceLock<MicroKernel> = OnceLock::new();
+        *BEST.get_or_init(|| {
+            let avail = Self::available();
+            let forced = std::env::var("P02_KERNEL").ok();
+            forced
+                .and_then(|f| avail.iter().find(|k| k.name.starts_with(f.as_str())).copied())
+                .unwrap_or(avail[0])
+        })
+    }
+}
+
+/// Portable micro-kernel over packed slivers: A is (kc, MR), B is (kc, NR).
+///
+/// # Safety
+/// `a` holds kc*MR floats, `b` kc*NR, `c` MR rows of NR writable floats at stride ldc.
+unsafe fn portable<const MR: usize, const NR: usize>(
+    kc: usize,
+    a: *const f32,
+    b: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    alpha: f32,
+    beta: f32,
+) {
+    // SAFETY: lengths per the contract above.
+    let (a, b) = unsafe { (std::slice::from_raw_parts(a, kc * MR), std::slice::from_raw_parts(b, kc * NR)) };
+    let mut acc = [[0.0f32; NR]; MR];
+    for (ap, bp) in a.chunks_exact(MR).zip(b.chunks_exact(NR)) {
+        for (row, &ai) in acc.iter_mut().zip(ap) {
+            for (x, &bj) in row.iter_mut().zip(bp) {
+                *x += ai * bj;
+            }
+        }
+    }
+    for (i, row) in acc.iter().enumerate() {
+        // SAFETY: row i of C has NR writable floats.
+        let ci = unsafe { std::slice::from_raw_parts_mut(c.add(i * ldc), NR) };
+        for (cv, &x) in ci.iter_mut().zip(row) {
+            *cv = if beta == 0.0 { alpha * x } else { alpha * x + beta * *cv };
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// One kernel body for both ISAs: 2 vectors of B per k, MR broadcasts of A.
+    macro_rules! micro_kernel {
+        ($name:ident, $feature:literal, $mr:literal, $lanes:literal,
+         $zero:ident, $loadu:ident, $storeu:ident, $set1:ident, $fmadd:ident, $mul:ident) => {
+            /// # Safety
+            /// CPU supports the target feature; `a` holds kc*MR floats, `b`
+            /// kc*NR (NR = 2 vectors), `c` MR rows of NR writable floats at stride ldc.
+            #[target_feature(enable = $feature)]
+            pub unsafe fn $name(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, alpha: f32, beta: f32) {
+                // SAFETY: every offset stays inside the ranges the contract gives.
+                unsafe {
+                    let mut acc = [[$zero(); 2]; $mr];
+                    let (mut a, mut b) = (a, b);
+                    for _ in 0..kc {
+                        let b0 = $loadu(b);
+                        let b1 = $loadu(b.add($lanes));
+                        for (i, row) in acc.iter_mut().enumerate() {
+                            let ai = $set1(*a.add(i));
+                            row[0] = $fmadd(ai, b0, row[0]);
+                            row[1] = $fmadd(ai, b1, row[1]);
+                        }
+                        a = a.add($mr);
+                        b = b.add(2 * $lanes);
+                    }
+                    let va = $set1(alpha);
+                    for (i, row) in acc.iter().enumerate() {
+                        let ci = c.add(i * ldc);
+                        let mut r0 = $mul(row[0], va);
+                        let mut r1 = $mul(row[1], va);
+                        if beta != 0.0 {
+                            let vb = $set1(beta);
+                            r0 = $fmadd(vb, $loadu(ci), r0);
+                            r1 = $fmadd(vb, $loadu(ci.add($lanes)), r1);
+                        }
+                        $storeu(ci, r0);
+                        $storeu(ci.add($lanes), r1);
+                    }
+                }
+            }
+        };
+    }
+
+    micro_kernel!(avx2_6x16_impl, "avx2,fma", 6, 8,
+        _mm256_setzero_ps, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_mul_ps);
+    micro_kernel!(avx512_8x32_impl, "avx512f", 8, 16,
+        _mm512_setzero_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_mul_ps);
+
+    /// # Safety
+    /// As `avx2_6x16_impl`; only selected when avx2 and fma are detected.
+    pub unsafe fn avx2_6x16(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, alpha: f32, beta: f32) {
+        // SAFETY: forwarded contract.
+        unsafe { avx2_6x16_impl(kc, a, b, c, ldc, alpha, beta) }
+    }
+
+    /// # Safety
+    /// As `avx512_8x32_impl`; only selected when avx512f is detected.
+    pub unsafe fn avx512_8x32(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, alpha: f32, beta: f32) {
+        // SAFETY: forwarded contract.
+        unsafe { avx512_8x32_impl(kc, a, b, c, ldc, alpha, beta) }
+    }
+}

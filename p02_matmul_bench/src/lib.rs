@@ -1,0 +1,54 @@
+//! Project 02: CPU matmul from naive to near peak, measured.
+//!
+//! - [`variants`]: naive i-j-k, i-k-j, B transposed, cache-blocked.
+//! - [`pack`] + [`kernels`] + [`gemm`]: packed panels and a register-blocked
+//!   SIMD micro-kernel (AVX2+FMA, AVX-512F, portable; chosen at run time),
+//!   threaded over rayon. [`sgemm`] is the kernel later crates call.
+//! - [`gemv`]: the M = 1 (decode) fast path.
+//! - [`reference`]: the f64 reference and error bound the tests hold them to.
+//! - [`ceilings`]: measured peak FLOP/s and memory bandwidth (the roofline).
+//! - [`sweep`]: the `sweep` command (peers, plots, numbers.md).
+
+pub mod ceilings;
+pub mod gemm;
+pub mod gemv;
+pub mod kernels;
+pub mod mat;
+pub mod pack;
+pub mod reference;
+pub mod sweep;
+pub mod variants;
+
+pub use gemm::{linear, sgemm, sgemm_with, GemmOpts};
+pub use kernels::MicroKernel;
+pub use mat::{MatMut, MatRef};
+
+use thiserror::Error;
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum GemmError {
+    #[error("sgemm shapes do not chain: A {a:?} x B {b:?} -> C {c:?}")]
+    Shape {
+        a: (usize, usize),
+        b: (usize, usize),
+        c: (usize, usize),
+    },
+    #[error("{what} ({rows} x {cols}) needs {needed:?} elements of its buffer, which has {len}")]
+    Buffer {
+        what: &'static str,
+        rows: usize,
+        cols: usize,
+        needed: Option<usize>,
+        len: usize,
+    },
+    #[error("bias has {len} elements, C has {n} columns")]
+    Bias { len: usize, n: usize },
+    #[error("linear: x has {x} elements, W {w}, y {y}; expected rows={rows} x in, out={out_f} x in, rows x out")]
+    Linear {
+        x: usize,
+        w: usize,
+        y: usize,
+        rows: usize,
+        out_f: usize,
+    },
+}

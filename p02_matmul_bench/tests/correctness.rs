@@ -1,0 +1,213 @@
+//! Every variant, kernel, thread count and operand layout against the f64
+//! reference, on awkward shapes: 0, 1, primes, non-square, one off the
+//! register tile (MR, NR) and the cache blocks (KC, MC), strided and
+//! transposed operands, padded leading dimensions.
+
+use p02_matmul_bench::gemm::gemm_packed;
+use p02_matmul_bench::reference::{error_bound, gemm_ref};
+use p02_matmul_bench::variants::{b_transposed, blocked, ikj, naive_ijk};
+use p02_matmul_bench::{sgemm_with, GemmError, GemmOpts, MatMut, MatRef, MicroKernel};
+
+fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// Operand storage: how a logical (rows, cols) matrix is laid out in memory.
+#[derive(Clone, Copy, Debug)]
+enum Layout {
+    RowMajor,
+    /// Stored as its transpose, read through swapped strides.
+    Transposed,
+    /// Row-major with 3 elements of padding per row.
+    Padded,
+}
+
+/// A buffer and a view of a logical (rows, cols) matrix with values `vals`.
+fn store(vals: &[f32], rows: usize, cols: usize, layout: Layout) -> (Vec<f32>, usize, usize) {
+    match layout {
+        Layout::RowMajor => (vals.to_vec(), cols, 1),
+        Layout::Transposed => {
+            let mut t = vec![0.0; rows * cols];
+            for i in 0..rows {
+                for j in 0..cols {
+                    t[j * rows + i] = vals[i * cols + j];
+                }
+            }
+            (t, 1, rows)
+        }
+        Layout::Padded => {
+            let ld = cols + 3;
+            let mut p = vec![f32::NAN; rows * ld];
+            for i in 0..rows {
+                p[i * ld..i * ld + cols].copy_from_slice(&vals[i * cols..(i + 1) * cols]);
+            }
+            (p, ld, 1)
+        }
+    }
+}
+
+type Variant = fn(MatRef, MatRef, &mut MatMut);
+
+const SHAPES: &[(usize, usize, usize)] = &[
+    (0, 0, 0),
+    (0, 5, 3),
+    (3, 0, 5),
+    (4, 5, 0),
+    (1, 1, 1),
+    (1, 17, 13),
+    (2, 3, 5),
+    (7, 13, 11),
+    (5, 15, 31),
+    (6, 16, 256),
+    (7, 17, 257),
+    (13, 33, 255),
+    (143, 31, 9),
+    (145, 47, 3),
+    (193, 65, 37),
+    (1, 577, 70),
+    (97, 131, 263),
+];
+
+fn check(what: &str, got: &MatMut, expected: &[f32], scale: &[f64], k: usize) {
+    for i in 0..got.rows {
+        for j in 0..got.cols {
+            let g = got.data[i * got.ld + j];
+            let e = expected[i * got.ld + j];
+            let bound = error_bound(k, scale[i * got.cols + j]);
+            assert!(
+                (f64::from(g) - f64::from(e)).abs() <= bound,
+                "{what}: C[{i}, {j}] = {g}, reference {e}, bound {bound:e}"
+            );
+        }
+        // Padding past the last column must be untouched.
+        for j in got.cols..got.ld {
+            assert!(got.data[i * got.ld + j] == 7.0, "{what}: padding C[{i}, {j}] was written");
+        }
+    }
+}
+
+#[test]
+fn variants_match_reference() {
+    let variants: [(&str, Variant); 4] = [("naive_ijk", naive_ijk), ("ikj", ikj), ("b_transposed", b_transposed), ("blocked", blocked)];
+    for &(m, n, k) in SHAPES {
+        for (la, lb) in [(Layout::RowMajor, Layout::RowMajor), (Layout::Transposed, Layout::Transposed), (Layout::Padded, Layout::Transposed)] {
+            let av = rand_vec(m * k, (m * 31 + k) as u64);
+            let bv = rand_vec(k * n, (n * 17 + k + 1) as u64);
+            let (ab, ars, acs) = store(&av, m, k, la);
+            let (bb, brs, bcs) = store(&bv, k, n, lb);
+            let a = MatRef::new(&ab, m, k, ars, acs).unwrap();
+            let b = MatRef::new(&bb, k, n, brs, bcs).unwrap();
+            let mut ref_c = vec![7.0f32; m * (n + 2)];
+            let scale = gemm_ref(1.0, a, b, 0.0, &mut MatMut::new(&mut ref_c, m, n, n + 2).unwrap(), None);
+            for (name, f) in variants {
+                let mut c = vec![7.0f32; m * (n + 2)];
+                let mut cm = MatMut::new(&mut c, m, n, n + 2).unwrap();
+                f(a, b, &mut cm);
+                check(&format!("{name} {m}x{n}x{k} {la:?}/{lb:?}"), &cm, &ref_c, &scale, k);
+            }
+        }
+    }
+}
+
+#[test]
+fn packed_kernels_and_threads_match_reference() {
+    let kernels = MicroKernel::available();
+    assert!(kernels.iter().any(|k| k.name.starts_with("portable 8x32")), "the AVX-512 geometry must be tested");
+    let mut shapes = SHAPES.to_vec();
+    shapes.push((200, 150, 300)); // above PAR_MIN_MACS: the threaded path runs
+    shapes.push((3, 1000, 1500)); // few rows, many columns: threads split N
+    for &(m, n, k) in &shapes {
+        for (la, lb) in [(Layout::RowMajor, Layout::RowMajor), (Layout::Transposed, Layout::Transposed), (Layout::Padded, Layout::Padded)] {
+            let av = rand_vec(m * k, (m * 7 + k) as u64);
+            let bv = rand_vec(k * n, (n * 5 + k + 3) as u64);
+            let c0 = rand_vec(m * (n + 2), 99);
+            let bias = rand_vec(n, 5);
+            let (ab, ars, acs) = store(&av, m, k, la);
+            let (bb, brs, bcs) = store(&bv, k, n, lb);
+            let a = MatRef::new(&ab, m, k, ars, acs).unwrap();
+            let b = MatRef::new(&bb, k, n, brs, bcs).unwrap();
+            for (alpha, beta, with_bias) in [(1.0, 0.0, false), (0.5, 1.0, true), (-2.0, 0.25, false)] {
+                let init = |c: &mut Vec<f32>| {
+                    for i in 0..m {
+                        for j in 0..n + 2 {
+                            c[i * (n + 2) + j] = if j >= n { 7.0 } else if beta == 0.0 { f32::NAN } else { c0[i * (n + 2) + j] };
+                        }
+                    }
+                };
+                let mut ref_c = vec![0.0; m * (n + 2)];
+                init(&mut ref_c);
+                let bias_opt = with_bias.then_some(bias.as_slice());
+                let scale = gemm_ref(alpha, a, b, beta, &mut MatMut::new(&mut ref_c, m, n, n + 2).unwrap(), bias_opt);
+                for kern in &kernels {
+                    for threads in [1, 2] {
+                        let what = format!("{} threads {threads} {m}x{n}x{k} {la:?}/{lb:?} alpha {alpha} beta {beta} bias {with_bias}", kern.name);
+                        let mut c = vec![0.0; m * (n + 2)];
+                        init(&mut c);
+                        let mut cm = MatMut::new(&mut c, m, n, n + 2).unwrap();
+                        if with_bias {
+                            let opts = GemmOpts { alpha, beta, bias: bias_opt, threads };
+                            sgemm_with(a, b, &mut cm, opts, *kern).unwrap();
+                        } else {
+                            // The packed driver directly (sgemm would take GEMV for m = 1).
+                            gemm_packed(alpha, a, b, beta, &mut cm, *kern, threads);
+                        }
+                        check(&what, &cm, &ref_c, &scale, k);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gemv_path_matches_reference_in_both_layouts() {
+    for &(n, k) in &[(1, 1), (3, 5), (17, 15), (63, 64), (65, 129), (576, 576), (1536, 576), (3000, 700)] {
+        let x = rand_vec(k, k as u64);
+        let w = rand_vec(n * k, (n + k) as u64);
+        for transposed in [true, false] {
+            let a = MatRef::row_major(&x, 1, k).unwrap();
+            // transposed: W (n, k) seen as (k, n); else B (k, n) row-major with the same values.
+            let b = if transposed { MatRef::row_major(&w, n, k).unwrap().t() } else { MatRef::row_major(&w, k, n).unwrap() };
+            let mut ref_y = vec![0.0; n];
+            let scale = gemm_ref(1.0, a, b, 0.0, &mut MatMut::row_major(&mut ref_y, 1, n).unwrap(), None);
+            for threads in [1, 2] {
+                let mut y = vec![f32::NAN; n];
+                let mut ym = MatMut::row_major(&mut y, 1, n).unwrap();
+                p02_matmul_bench::gemv::gemv(1.0, a, b, 0.0, &mut ym, threads);
+                check(&format!("gemv n {n} k {k} transposed {transposed} threads {threads}"), &ym, &ref_y, &scale, k);
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_shapes_are_errors_not_panics() {
+    let a = vec![0.0; 6];
+    // A view that would read past its buffer.
+    assert!(matches!(MatRef::new(&a, 3, 3, 3, 1), Err(GemmError::Buffer { .. })));
+    assert!(matches!(MatRef::new(&a, usize::MAX, 2, usize::MAX, 1), Err(GemmError::Buffer { needed: None, .. })));
+    let a2 = MatRef::row_major(&a, 2, 3).unwrap();
+    let b = MatRef::row_major(&a, 2, 3).unwrap();
+    let mut c = vec![0.0; 9];
+    let mut cm = MatMut::row_major(&mut c, 2, 3).unwrap();
+    let e = p02_matmul_bench::sgemm(a2, b, &mut cm, GemmOpts::default()).unwrap_err();
+    assert_eq!(e, GemmError::Shape { a: (2, 3), b: (2, 3), c: (2, 3) });
+    let b = MatRef::row_major(&a, 3, 2).unwrap();
+    let mut c = vec![0.0; 4];
+    let mut cm = MatMut::row_major(&mut c, 2, 2).unwrap();
+    let opts = GemmOpts { bias: Some(&[1.0, 2.0, 3.0]), ..GemmOpts::default() };
+    assert_eq!(p02_matmul_bench::sgemm(a2, b, &mut cm, opts).unwrap_err(), GemmError::Bias { len: 3, n: 2 });
+    let mut y = vec![0.0; 3];
+    assert!(matches!(p02_matmul_bench::linear(&a, 2, &a[..5], 2, None, &mut y, 1), Err(GemmError::Linear { .. })));
+    assert!(p02_matmul_bench::linear(&a, 2, &a, 2, None, &mut y[..2], 1).is_err());
+    let mut y = vec![0.0; 4];
+    p02_matmul_bench::linear(&a, 2, &a, 2, None, &mut y, 1).unwrap();
+}
