@@ -1,13 +1,18 @@
-//! The packed GEMM driver (BLIS's five loops around the micro-kernel) and the
+//! The packed GEMM driver (BLIS's loops around the micro-kernel) and the
 //! public [`sgemm`] every later crate calls.
 //!
 //! ```text
-//! for jc in N by nc:              B panel (kc x nc) -> L3
-//!   for pc in K by kc:            pack B[pc.., jc..] into nr-wide slivers (shared by all threads)
-//!     for ic in M by mc:  (threads)   pack A[ic.., pc..] into mr-tall slivers -> L2
-//!       for jr in nc by nr:           one B sliver (kc x nr) -> L1
-//!         for ir in mc by mr:         micro-kernel: C[mr x nr] += A sliver . B sliver (registers)
+//! split C into one region per thread (rows, or columns when N is the larger side)
+//! per thread:
+//!   for jc in N by nc:              B panel (kc x nc) -> L3
+//!     for pc in K by kc:            pack B[pc.., jc..] into nr-wide slivers (or use PackedB)
+//!       for ic in M by mc:          pack A[ic.., pc..] into mr-tall slivers (row-major A: read in place)
+//!         for jr in nc by nr:       one B sliver (kc x nr) stays in L1
+//!           for ir in mc by mr:     micro-kernel: C[mr x nr] += A sliver . B sliver (registers)
 //! ```
+//! One fork-join per call: on this VM a wake-up of a sleeping pool thread
+//! costs tens of microseconds, so splitting inside the K loop (a join per K
+//! block) cost more than it saved at N <= 1024.
 
 use std::cell::RefCell;
 
@@ -30,20 +35,193 @@ impl SendPtr {
     }
 }
 
+/// A packing buffer aligned to a cache line, so no vector load of a packed
+/// sliver straddles two lines.
+#[derive(Debug, Default)]
+pub struct AlignedBuf {
+    lines: Vec<Line>,
+}
+
+#[derive(Clone, Copy, Debug)]
+#[repr(C, align(64))]
+struct Line([f32; 16]);
+
+impl AlignedBuf {
+    /// Floats held.
+    pub fn len(&self) -> usize {
+        self.lines.len() * 16
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.lines.is_empty()
+    }
+
+    pub fn as_slice(&self) -> &[f32] {
+        // SAFETY: as in `get`: contiguous initialised f32s.
+        unsafe { std::slice::from_raw_parts(self.lines.as_ptr().cast::<f32>(), self.len()) }
+    }
+
+    /// At least `n` floats, 64-byte aligned (contents unspecified).
+    pub fn get(&mut self, n: usize) -> &mut [f32] {
+        let lines = n.div_ceil(16);
+        if self.lines.len() < lines {
+            self.lines.resize(lines, Line([0.0; 16]));
+        }
+        // SAFETY: Line is repr(C) [f32; 16] with no padding, so `lines` lines
+        // are 16 * lines contiguous, initialised f32s.
+        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast::<f32>(), n) }
+    }
+}
+
 thread_local! {
     /// Per-thread packed-A buffer, reused across calls (an mc x kc block is
     /// ~150 KB: allocating it per block would page-fault every time).
-    static A_PACK: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static A_PACK: RefCell<AlignedBuf> = RefCell::new(AlignedBuf::default());
+    /// Packed-B panel of the calling thread, reused across calls.
+    static B_PACK: RefCell<AlignedBuf> = RefCell::new(AlignedBuf::default());
 }
 
 /// Below this many multiply-adds a call stays on the calling thread (waking a
 /// pool thread costs tens of microseconds on this VM; see p01's README).
 pub const PAR_MIN_MACS: usize = 1 << 22;
 
+/// Split 0..len into blocks of at most `max` (a multiple of `unit`), all about
+/// equal: K = 784 with kc = 256 gives 4 x 196, not 3 x 256 + 16 (a 16-deep
+/// block pays the C load/store of a full block for 1/16 of the work).
+pub fn blocks(len: usize, max: usize, unit: usize) -> impl Iterator<Item = (usize, usize)> {
+    let n = len.div_ceil(max.max(1)).max(1);
+    let size = len.div_ceil(n).div_ceil(unit) * unit;
+    (0..len)
+        .step_by(size.max(1))
+        .map(move |start| (start, size.min(len - start)))
+}
+
+/// Where the micro-kernel's B slivers come from.
+#[derive(Clone, Copy, Debug)]
+enum BSrc<'a> {
+    /// Pack from a strided view on every call.
+    Pack(&'a MatRef<'a>),
+    /// Already packed once (weights), see [`PackedB`].
+    Packed(&'a PackedB),
+}
+
+/// B packed once for a kernel: every (N panel, K block) in the order the
+/// driver visits them. Weights are packed at load, so a call with few rows
+/// (batched decode) does not re-pack K x N floats to do M x K x N work.
+#[derive(Debug)]
+pub struct PackedB {
+    k: usize,
+    n: usize,
+    kernel: MicroKernel,
+    buf: AlignedBuf,
+    /// Start of panel (jc index, pc index), jc-major.
+    offsets: Vec<usize>,
+}
+
+impl PackedB {
+    /// Pack all of `b` (K, N) for `kernel`.
+    pub fn new(b: MatRef, kernel: MicroKernel) -> PackedB {
+        let (k, n) = (b.rows, b.cols);
+        let (nr, kc, nc) = (kernel.nr, kernel.kc, kernel.nc);
+        let mut offsets = Vec::new();
+        let mut total = 0;
+        for jc in (0..n).step_by(nc) {
+            for (_, kcb) in blocks(k, kc, 1) {
+                offsets.push(total);
+                total += (nc.min(n - jc)).div_ceil(nr) * kcb * nr;
+            }
+        }
+        let mut buf = AlignedBuf::default();
+        let data = buf.get(total);
+        let mut i = 0;
+        for jc in (0..n).step_by(nc) {
+            let ncb = nc.min(n - jc);
+            for (pc, kcb) in blocks(k, kc, 1) {
+                pack_b(
+                    &b,
+                    pc,
+                    kcb,
+                    jc,
+                    ncb,
+                    nr,
+                    0..ncb.div_ceil(nr),
+                    &mut data[offsets[i]..],
+                );
+                i += 1;
+            }
+        }
+        PackedB {
+            k,
+            n,
+            kernel,
+            buf,
+            offsets,
+        }
+    }
+
+    /// Pack a PyTorch weight W (out, in), used as B = W^T (K = in, N = out).
+    pub fn linear_weight(w: &[f32], out_f: usize, in_f: usize) -> Result<PackedB, GemmError> {
+        if Some(w.len()) != out_f.checked_mul(in_f) {
+            return Err(GemmError::Buffer {
+                what: "linear weight",
+                rows: out_f,
+                cols: in_f,
+                needed: out_f.checked_mul(in_f),
+                len: w.len(),
+            });
+        }
+        Ok(PackedB::new(
+            MatRef::row_major(w, out_f, in_f)?.t(),
+            MicroKernel::best(),
+        ))
+    }
+
+    pub fn rows(&self) -> usize {
+        self.k
+    }
+
+    pub fn cols(&self) -> usize {
+        self.n
+    }
+
+    /// Packed panel (jc index, pc index).
+    fn panel_at(&self, jci: usize, pci: usize) -> &[f32] {
+        let n_pc = blocks(self.k, self.kernel.kc, 1).count();
+        let i = jci * n_pc + pci;
+        let end = self.offsets.get(i + 1).copied().unwrap_or(self.buf.len());
+        &self.buf.as_slice()[self.offsets[i]..end]
+    }
+}
+
 /// C = alpha * A * B + beta * C through packing and `kernel`, on up to
 /// `threads` threads. Shapes must already agree (see [`sgemm`]).
-pub fn gemm_packed(alpha: f32, a: MatRef, b: MatRef, beta: f32, c: &mut MatMut, kernel: MicroKernel, threads: usize) {
-    let (m, n, k) = (a.rows, b.cols, a.cols);
+pub fn gemm_packed(
+    alpha: f32,
+    a: MatRef,
+    b: MatRef,
+    beta: f32,
+    c: &mut MatMut,
+    kernel: MicroKernel,
+    threads: usize,
+) {
+    gemm_dispatch(alpha, &a, BSrc::Pack(&b), b.cols, beta, c, kernel, threads);
+}
+
+/// Split C into one region per thread, each computed by [`gemm_part`] on its
+/// own thread: one fork-join per call (a fork-join per K block costs a
+/// wake-up each on this VM).
+#[allow(clippy::too_many_arguments)]
+fn gemm_dispatch(
+    alpha: f32,
+    a: &MatRef,
+    b: BSrc,
+    n: usize,
+    beta: f32,
+    c: &mut MatMut,
+    kernel: MicroKernel,
+    threads: usize,
+) {
+    let (m, k) = (a.rows, a.cols);
     if m == 0 || n == 0 {
         return;
     }
@@ -52,80 +230,197 @@ pub fn gemm_packed(alpha: f32, a: MatRef, b: MatRef, beta: f32, c: &mut MatMut, 
         return;
     }
     let (mr, nr) = (kernel.mr, kernel.nr);
-    let threads = if m * n * k < PAR_MIN_MACS { 1 } else { threads.max(1) };
-    // With threads, size M blocks so every thread gets one (prefill shapes
-    // like M = 256 would otherwise leave a thread idle).
-    let mc = if threads > 1 { kernel.mc.min(m.div_ceil(threads).div_ceil(mr) * mr) } else { kernel.mc };
-    let m_blocks = m.div_ceil(mc);
-    let ldc = c.ld;
+    let threads = if m * n * k < PAR_MIN_MACS {
+        1
+    } else {
+        threads.max(1)
+    };
     let c_ptr = SendPtr(c.data.as_mut_ptr());
-    let mut b_pack: Vec<f32> = Vec::new();
+    let ldc = c.ld;
+    if threads == 1 {
+        // SAFETY: the whole of C belongs to this call.
+        unsafe {
+            gemm_part(
+                alpha,
+                a,
+                b,
+                beta,
+                k,
+                n,
+                kernel,
+                0..m,
+                0..n,
+                c_ptr.get(),
+                ldc,
+            )
+        };
+        return;
+    }
+    // Split rows when each thread still gets whole register tiles and, when
+    // packing B per call, B is not the smaller operand to duplicate; else columns.
+    let split_rows = match b {
+        BSrc::Pack(_) => m >= n || n < threads * nr,
+        BSrc::Packed(_) => m >= threads * mr * 2 || n < threads * nr,
+    };
+    let (len, unit) = if split_rows { (m, mr) } else { (n, nr) };
+    let chunk = len.div_ceil(threads).div_ceil(unit) * unit;
+    let parts = len.div_ceil(chunk);
+    (0..parts).into_par_iter().for_each(|t| {
+        let r = t * chunk..((t + 1) * chunk).min(len);
+        let (rows, cols) = if split_rows { (r, 0..n) } else { (0..m, r) };
+        // SAFETY: parts cover disjoint regions of C.
+        unsafe {
+            gemm_part(
+                alpha,
+                a,
+                b,
+                beta,
+                k,
+                n,
+                kernel,
+                rows,
+                cols,
+                c_ptr.get(),
+                ldc,
+            )
+        };
+    });
+}
 
-    for jc in (0..n).step_by(kernel.nc) {
-        let nc = kernel.nc.min(n - jc);
-        let n_slivers = nc.div_ceil(nr);
-        for pc in (0..k).step_by(kernel.kc) {
-            let kc = kernel.kc.min(k - pc);
+/// C[rows, cols] = alpha * A[rows, :] B[:, cols] + beta * C[rows, cols] on the
+/// calling thread: the jc / pc / ic loops. `cols` starts at a multiple of nr.
+///
+/// # Safety
+/// `c` points at C (leading dimension `ldc`) whose region rows x cols is
+/// valid and written by no one else during the call.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_part(
+    alpha: f32,
+    a: &MatRef,
+    b: BSrc,
+    beta: f32,
+    k: usize,
+    n: usize,
+    kernel: MicroKernel,
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+    c: *mut f32,
+    ldc: usize,
+) {
+    let (mr, nr, kc, mc, nc) = (kernel.mr, kernel.nr, kernel.kc, kernel.mc, kernel.nc);
+    let mut local_b = AlignedBuf::default();
+    let mut local_a = AlignedBuf::default();
+    // Thread-local buffers (no rayon call happens while they are borrowed;
+    // a re-entrant call on this thread would fall back to fresh ones).
+    let b_guard = B_PACK.with(|x| x.try_borrow_mut().ok().map(|mut g| std::mem::take(&mut *g)));
+    let a_guard = A_PACK.with(|x| x.try_borrow_mut().ok().map(|mut g| std::mem::take(&mut *g)));
+    let (mut bbuf, mut abuf) = (
+        b_guard.unwrap_or_else(|| std::mem::take(&mut local_b)),
+        a_guard.unwrap_or_else(|| std::mem::take(&mut local_a)),
+    );
+    for (jci, jc) in (0..n).step_by(nc).enumerate() {
+        let jend = (jc + nc).min(n);
+        let (lo, hi) = (cols.start.max(jc), cols.end.min(jend));
+        if lo >= hi {
+            continue;
+        }
+        let (s0, s1) = ((lo - jc) / nr, (hi - jc).div_ceil(nr));
+        for (pci, (pc, kcb)) in blocks(k, kc, 1).enumerate() {
             let beta_eff = if pc == 0 { beta } else { 1.0 };
-            // Pack the B panel once, in parallel over slivers.
-            b_pack.resize(n_slivers * kc * nr, 0.0);
-            let sliver_len = kc * nr;
-            if threads > 1 {
-                let per = n_slivers.div_ceil(threads);
-                b_pack.par_chunks_mut(per * sliver_len).enumerate().for_each(|(t, chunk)| {
-                    let s0 = t * per;
-                    let s1 = (s0 + chunk.len() / sliver_len).min(n_slivers);
-                    pack_b(&b, pc, kc, jc, nc, nr, s0..s1, chunk);
-                });
-            } else {
-                pack_b(&b, pc, kc, jc, nc, nr, 0..n_slivers, &mut b_pack);
-            }
-            // Tasks: (M block, range of B slivers). Few M blocks -> split N too.
-            let n_split = threads.div_ceil(m_blocks).min(n_slivers).max(1);
-            let per_split = n_slivers.div_ceil(n_split);
-            let task = |t: usize| {
-                let (ib, js) = (t / n_split, t % n_split);
-                let i0 = ib * mc;
-                let mcb = mc.min(m - i0);
-                let slivers = (js * per_split)..((js + 1) * per_split).min(n_slivers);
-                A_PACK.with(|buf| {
-                    let mut ap = buf.borrow_mut();
-                    let need = mcb.div_ceil(mr) * kc * mr;
-                    if ap.len() < need {
-                        ap.resize(need, 0.0);
-                    }
-                    pack_a(&a, i0, mcb, pc, kc, mr, &mut ap);
-                    // SAFETY: tasks cover disjoint (rows, columns) tiles of C; the
-                    // packed buffers hold the slivers the kernel reads.
-                    unsafe { macro_kernel(&kernel, kc, &ap, &b_pack, slivers, i0, mcb, jc, nc, c_ptr.get(), ldc, alpha, beta_eff) };
-                });
+            let b_slivers: &[f32] = match b {
+                BSrc::Pack(bm) => {
+                    let buf = bbuf.get((s1 - s0) * kcb * nr);
+                    pack_b(bm, pc, kcb, jc, jend - jc, nr, s0..s1, buf);
+                    buf
+                }
+                BSrc::Packed(p) => &p.panel_at(jci, pci)[s0 * kcb * nr..s1 * kcb * nr],
             };
-            let n_tasks = m_blocks * n_split;
-            if threads > 1 && n_tasks > 1 {
-                (0..n_tasks).into_par_iter().for_each(task);
-            } else {
-                (0..n_tasks).for_each(task);
+            for (i, mcb) in blocks(rows.len(), mc, mr) {
+                let ic = rows.start + i;
+                // Row-major A is read in place (mr unit-stride row streams),
+                // unless its row stride is a multiple of 1 KB: then the rows
+                // map to the same L1 sets (4K aliasing) and packing wins
+                // (measured at N = 1024: 60 GFLOP/s in place vs ~75 packed).
+                let a_src = if a.cs == 1 && !a.rs.is_multiple_of(256) {
+                    // Only a final partial sliver is packed, zero-padded.
+                    let full = mcb / mr * mr;
+                    let tail = abuf.get(if full < mcb { kcb * mr } else { 0 });
+                    if full < mcb {
+                        pack_a(a, ic + full, mcb - full, pc, kcb, mr, tail);
+                    }
+                    // SAFETY: (ic, pc) is an element of A (mcb, kcb >= 1).
+                    let a_ic = unsafe { a.data.as_ptr().add(ic * a.rs + pc) };
+                    ASrc::Direct {
+                        a: a_ic,
+                        lda: a.rs,
+                        tail,
+                    }
+                } else {
+                    let ap = abuf.get(mcb.div_ceil(mr) * kcb * mr);
+                    pack_a(a, ic, mcb, pc, kcb, mr, ap);
+                    ASrc::Packed(ap)
+                };
+                // SAFETY: the tile region is inside this part of C.
+                unsafe {
+                    macro_kernel(
+                        &kernel,
+                        kcb,
+                        a_src,
+                        b_slivers,
+                        jc + s0 * nr,
+                        hi,
+                        ic,
+                        mcb,
+                        c,
+                        ldc,
+                        alpha,
+                        beta_eff,
+                    )
+                };
             }
         }
     }
+    B_PACK.with(|x| {
+        if let Ok(mut g) = x.try_borrow_mut() {
+            *g = bbuf;
+        }
+    });
+    A_PACK.with(|x| {
+        if let Ok(mut g) = x.try_borrow_mut() {
+            *g = abuf;
+        }
+    });
+}
+
+/// Where the micro-kernel reads A from.
+#[derive(Clone, Copy, Debug)]
+enum ASrc<'a> {
+    /// Packed mr-row slivers, each (kc, mr).
+    Packed(&'a [f32]),
+    /// In place: row-major A at (ic, pc) with row stride lda; the last
+    /// partial sliver (if any) packed in `tail`.
+    Direct {
+        a: *const f32,
+        lda: usize,
+        tail: &'a [f32],
+    },
 }
 
 /// The two inner loops: B slivers (L1) outer, A slivers (registers) inner.
 ///
 /// # Safety
-/// `c` points at C with leading dimension `ldc`, rows i0..i0+mcb and columns
-/// jc..jc+nc valid and not written by any other task during the call.
+/// `c` points at C with leading dimension `ldc`; rows i0..i0+mcb and columns
+/// j_first..j_end are valid and not written by any other task during the call.
 #[allow(clippy::too_many_arguments)]
 unsafe fn macro_kernel(
     kernel: &MicroKernel,
     kc: usize,
-    a_pack: &[f32],
-    b_pack: &[f32],
-    slivers: std::ops::Range<usize>,
+    a_src: ASrc,
+    b_slivers: &[f32],
+    j_first: usize,
+    j_end: usize,
     i0: usize,
     mcb: usize,
-    jc: usize,
-    nc: usize,
     c: *mut f32,
     ldc: usize,
     alpha: f32,
@@ -134,22 +429,41 @@ unsafe fn macro_kernel(
     let (mr, nr) = (kernel.mr, kernel.nr);
     let mut tmp = [0.0f32; 8 * 32]; // edge tiles (mr*nr <= 256)
     debug_assert!(mr * nr <= tmp.len());
-    for s in slivers {
-        let bp = b_pack[s * kc * nr..].as_ptr();
-        let j = jc + s * nr;
-        let cols = nr.min(jc + nc - j);
+    for (s, bp) in b_slivers.chunks_exact(kc * nr).enumerate() {
+        let j = j_first + s * nr;
+        let cols = nr.min(j_end - j);
         for ir in 0..mcb.div_ceil(mr) {
-            let ap = a_pack[ir * kc * mr..].as_ptr();
             let i = i0 + ir * mr;
             let rows = mr.min(i0 + mcb - i);
+            let (ap, rsa, csa) = match a_src {
+                ASrc::Packed(p) => (p[ir * kc * mr..].as_ptr(), 1, mr),
+                ASrc::Direct { a, lda, .. } if rows == mr => {
+                    // SAFETY: full slivers lie inside A (rows i..i+mr exist).
+                    let a_i = unsafe { a.add(ir * mr * lda) };
+                    (a_i, lda, 1)
+                }
+                ASrc::Direct { tail, .. } => (tail.as_ptr(), 1, mr),
+            };
             // SAFETY: (i, j) is inside C per the contract.
             let ct = unsafe { c.add(i * ldc + j) };
             if rows == mr && cols == nr {
                 // SAFETY: a full tile: mr rows of nr floats at stride ldc.
-                unsafe { (kernel.func)(kc, ap, bp, ct, ldc, alpha, beta) };
+                unsafe { (kernel.func)(kc, ap, rsa, csa, bp.as_ptr(), ct, ldc, alpha, beta) };
             } else {
                 // SAFETY: tmp holds a full mr x nr tile at stride nr.
-                unsafe { (kernel.func)(kc, ap, bp, tmp.as_mut_ptr(), nr, alpha, 0.0) };
+                unsafe {
+                    (kernel.func)(
+                        kc,
+                        ap,
+                        rsa,
+                        csa,
+                        bp.as_ptr(),
+                        tmp.as_mut_ptr(),
+                        nr,
+                        alpha,
+                        0.0,
+                    )
+                };
                 for r in 0..rows {
                     for q in 0..cols {
                         // SAFETY: r < rows, q < cols: inside this task's tile of C.
@@ -218,7 +532,13 @@ pub fn sgemm(a: MatRef, b: MatRef, c: &mut MatMut, opts: GemmOpts) -> Result<(),
 
 /// [`sgemm`] with a chosen micro-kernel (falls back to the best one if `kernel`
 /// is not supported here).
-pub fn sgemm_with(a: MatRef, b: MatRef, c: &mut MatMut, opts: GemmOpts, kernel: MicroKernel) -> Result<(), GemmError> {
+pub fn sgemm_with(
+    a: MatRef,
+    b: MatRef,
+    c: &mut MatMut,
+    opts: GemmOpts,
+    kernel: MicroKernel,
+) -> Result<(), GemmError> {
     if a.cols != b.rows || c.rows != a.rows || c.cols != b.cols {
         return Err(GemmError::Shape {
             a: (a.rows, a.cols),
@@ -234,27 +554,83 @@ pub fn sgemm_with(a: MatRef, b: MatRef, c: &mut MatMut, opts: GemmOpts, kernel: 
             });
         }
     }
-    let kernel = if kernel.supported() { kernel } else { MicroKernel::best() };
+    let kernel = if kernel.supported() {
+        kernel
+    } else {
+        MicroKernel::best()
+    };
     if a.rows == 1 && gemv::handles(&b) {
         gemv::gemv(opts.alpha, a, b, opts.beta, c, opts.threads);
     } else {
         gemm_packed(opts.alpha, a, b, opts.beta, c, kernel, opts.threads);
     }
+    add_bias(c, opts.bias);
+    Ok(())
+}
+
+/// [`sgemm`] with B packed once ([`PackedB`]): C = alpha * A * B + beta * C + bias.
+/// The kernel is the one B was packed for.
+pub fn sgemm_prepacked(
+    a: MatRef,
+    b: &PackedB,
+    c: &mut MatMut,
+    opts: GemmOpts,
+) -> Result<(), GemmError> {
+    if a.cols != b.k || c.rows != a.rows || c.cols != b.n {
+        return Err(GemmError::Shape {
+            a: (a.rows, a.cols),
+            b: (b.k, b.n),
+            c: (c.rows, c.cols),
+        });
+    }
     if let Some(bias) = opts.bias {
+        if bias.len() != b.n {
+            return Err(GemmError::Bias {
+                len: bias.len(),
+                n: b.n,
+            });
+        }
+    }
+    gemm_dispatch(
+        opts.alpha,
+        &a,
+        BSrc::Packed(b),
+        b.n,
+        opts.beta,
+        c,
+        b.kernel,
+        opts.threads,
+    );
+    add_bias(c, opts.bias);
+    Ok(())
+}
+
+fn add_bias(c: &mut MatMut, bias: Option<&[f32]>) {
+    if let Some(bias) = bias {
         for i in 0..c.rows {
             for (v, &bj) in c.data[i * c.ld..i * c.ld + c.cols].iter_mut().zip(bias) {
                 *v += bj;
             }
         }
     }
-    Ok(())
 }
 
 /// y (rows, out) = x (rows, in) W^T + bias, with W as PyTorch stores it,
 /// (out, in): the call every linear layer makes.
-pub fn linear(x: &[f32], rows: usize, w: &[f32], out_f: usize, bias: Option<&[f32]>, y: &mut [f32], threads: usize) -> Result<(), GemmError> {
+pub fn linear(
+    x: &[f32],
+    rows: usize,
+    w: &[f32],
+    out_f: usize,
+    bias: Option<&[f32]>,
+    y: &mut [f32],
+    threads: usize,
+) -> Result<(), GemmError> {
     let in_f = w.len().checked_div(out_f).unwrap_or(0);
-    if out_f * in_f != w.len() || Some(x.len()) != rows.checked_mul(in_f) || Some(y.len()) != rows.checked_mul(out_f) {
+    if out_f * in_f != w.len()
+        || Some(x.len()) != rows.checked_mul(in_f)
+        || Some(y.len()) != rows.checked_mul(out_f)
+    {
         return Err(GemmError::Linear {
             x: x.len(),
             w: w.len(),
@@ -266,5 +642,14 @@ pub fn linear(x: &[f32], rows: usize, w: &[f32], out_f: usize, bias: Option<&[f3
     let a = MatRef::row_major(x, rows, in_f)?;
     let b = MatRef::row_major(w, out_f, in_f)?.t();
     let mut c = MatMut::row_major(y, rows, out_f)?;
-    sgemm(a, b, &mut c, GemmOpts { bias, threads, ..GemmOpts::default() })
+    sgemm(
+        a,
+        b,
+        &mut c,
+        GemmOpts {
+            bias,
+            threads,
+            ..GemmOpts::default()
+        },
+    )
 }

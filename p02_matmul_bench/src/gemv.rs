@@ -14,9 +14,10 @@ use rayon::prelude::*;
 use crate::mat::{MatMut, MatRef};
 use crate::variants::dot;
 
-/// Bytes of B below which one thread does it all (a wake-up costs tens of us;
-/// 1 MB streams in ~50 us).
-pub const PAR_MIN_BYTES: usize = 1 << 20;
+/// Bytes of B below which one thread does it all. Waking a pool thread costs
+/// tens of us on this VM; measured: 1.3 MB (q_proj) took 24 us on one thread
+/// and 60 us split over two; 3.5 MB broke even; 113 MB (lm_head) ran 1.8x faster.
+pub const PAR_MIN_BYTES: usize = 4 << 20;
 
 /// Whether the GEMV path takes this B (unit stride along one dimension).
 pub fn handles(b: &MatRef) -> bool {
@@ -37,7 +38,11 @@ pub fn gemv(alpha: f32, x: MatRef, b: MatRef, beta: f32, y: &mut MatMut, threads
         &xs
     };
     let y_row = &mut y.data[..n];
-    let threads = if k * n * 4 < PAR_MIN_BYTES { 1 } else { threads.max(1) };
+    let threads = if k * n * 4 < PAR_MIN_BYTES {
+        1
+    } else {
+        threads.max(1)
+    };
     // Column chunks, multiples of 64 so the row-major kernel keeps full blocks.
     let chunk = n.div_ceil(threads).div_ceil(64) * 64;
     let run = |j0: usize, yc: &mut [f32]| {
@@ -48,14 +53,21 @@ pub fn gemv(alpha: f32, x: MatRef, b: MatRef, beta: f32, y: &mut MatMut, threads
         }
     };
     if threads > 1 {
-        y_row.par_chunks_mut(chunk).enumerate().for_each(|(t, yc)| run(t * chunk, yc));
+        y_row
+            .par_chunks_mut(chunk)
+            .enumerate()
+            .for_each(|(t, yc)| run(t * chunk, yc));
     } else {
         run(0, y_row);
     }
 }
 
 fn finish(alpha: f32, acc: f32, beta: f32, y: &mut f32) {
-    *y = if beta == 0.0 { alpha * acc } else { alpha * acc + beta * *y };
+    *y = if beta == 0.0 {
+        alpha * acc
+    } else {
+        alpha * acc + beta * *y
+    };
 }
 
 /// y[j] for j in j0..j0+y.len(), B = W^T with W rows contiguous (stride b.cs).
@@ -66,7 +78,12 @@ fn dot_rows(alpha: f32, x: &[f32], b: &MatRef, beta: f32, j0: usize, y: &mut [f3
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
         while j + 4 <= y.len() {
-            let rows = [w_row(j0 + j), w_row(j0 + j + 1), w_row(j0 + j + 2), w_row(j0 + j + 3)];
+            let rows = [
+                w_row(j0 + j),
+                w_row(j0 + j + 1),
+                w_row(j0 + j + 2),
+                w_row(j0 + j + 3),
+            ];
             // SAFETY: avx2+fma detected; every row and x have k elements.
             let d = unsafe { x86::dot4(x, rows) };
             for (q, &v) in d.iter().enumerate() {

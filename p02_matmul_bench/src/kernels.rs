@@ -12,10 +12,13 @@
 //! plain Rust with const dimensions and is instantiated at both geometries so
 //! the packing for the AVX-512 shape is tested on any machine.
 
-/// A micro-kernel function: (kc, packed A sliver, packed B sliver, C, ldc,
-/// alpha, beta). beta == 0 means C is write-only (never read, so NaN in C is
-/// ignored, as BLAS specifies).
-pub type KernelFn = unsafe fn(usize, *const f32, *const f32, *mut f32, usize, f32, f32);
+/// A micro-kernel function: (kc, A, A's row stride, A's k stride, packed B
+/// sliver, C, ldc, alpha, beta). A element (i, p) is at a + i*rsa + p*csa: a
+/// packed sliver has (1, MR); a row-major A read in place has (lda, 1).
+/// beta == 0 means C is write-only (never read, so NaN in C is ignored, as
+/// BLAS specifies).
+pub type KernelFn =
+    unsafe fn(usize, *const f32, usize, usize, *const f32, *mut f32, usize, f32, f32);
 
 /// A micro-kernel with its register-tile shape and the cache blocking that
 /// suits it. All block sizes live here, one place.
@@ -117,19 +120,28 @@ impl MicroKernel {
             let avail = Self::available();
             let forced = std::env::var("P02_KERNEL").ok();
             forced
-                .and_then(|f| avail.iter().find(|k| k.name.starts_with(f.as_str())).copied())
+                .and_then(|f| {
+                    avail
+                        .iter()
+                        .find(|k| k.name.starts_with(f.as_str()))
+                        .copied()
+                })
                 .unwrap_or(avail[0])
         })
     }
 }
 
-/// Portable micro-kernel over packed slivers: A is (kc, MR), B is (kc, NR).
+/// Portable micro-kernel: A (MR rows, strides rsa/csa), B packed (kc, NR).
 ///
 /// # Safety
-/// `a` holds kc*MR floats, `b` kc*NR, `c` MR rows of NR writable floats at stride ldc.
+/// A's MR x kc elements are readable through the strides, `b` holds kc*NR
+/// floats, `c` MR rows of NR writable floats at stride ldc.
+#[allow(clippy::too_many_arguments)]
 unsafe fn portable<const MR: usize, const NR: usize>(
     kc: usize,
     a: *const f32,
+    rsa: usize,
+    csa: usize,
     b: *const f32,
     c: *mut f32,
     ldc: usize,
@@ -137,10 +149,12 @@ unsafe fn portable<const MR: usize, const NR: usize>(
     beta: f32,
 ) {
     // SAFETY: lengths per the contract above.
-    let (a, b) = unsafe { (std::slice::from_raw_parts(a, kc * MR), std::slice::from_raw_parts(b, kc * NR)) };
+    let b = unsafe { std::slice::from_raw_parts(b, kc * NR) };
     let mut acc = [[0.0f32; NR]; MR];
-    for (ap, bp) in a.chunks_exact(MR).zip(b.chunks_exact(NR)) {
-        for (row, &ai) in acc.iter_mut().zip(ap) {
+    for (p, bp) in b.chunks_exact(NR).enumerate() {
+        for (i, row) in acc.iter_mut().enumerate() {
+            // SAFETY: (i, p) is inside A per the contract.
+            let ai = unsafe { *a.add(i * rsa + p * csa) };
             for (x, &bj) in row.iter_mut().zip(bp) {
                 *x += ai * bj;
             }
@@ -150,7 +164,11 @@ unsafe fn portable<const MR: usize, const NR: usize>(
         // SAFETY: row i of C has NR writable floats.
         let ci = unsafe { std::slice::from_raw_parts_mut(c.add(i * ldc), NR) };
         for (cv, &x) in ci.iter_mut().zip(row) {
-            *cv = if beta == 0.0 { alpha * x } else { alpha * x + beta * *cv };
+            *cv = if beta == 0.0 {
+                alpha * x
+            } else {
+                alpha * x + beta * *cv
+            };
         }
     }
 }
@@ -164,10 +182,22 @@ mod x86 {
         ($name:ident, $feature:literal, $mr:literal, $lanes:literal,
          $zero:ident, $loadu:ident, $storeu:ident, $set1:ident, $fmadd:ident, $mul:ident) => {
             /// # Safety
-            /// CPU supports the target feature; `a` holds kc*MR floats, `b`
-            /// kc*NR (NR = 2 vectors), `c` MR rows of NR writable floats at stride ldc.
+            /// CPU supports the target feature; A's MR x kc elements are
+            /// readable at a + i*rsa + p*csa, `b` holds kc*NR floats (NR = 2
+            /// vectors), `c` MR rows of NR writable floats at stride ldc.
+            #[allow(clippy::too_many_arguments)]
             #[target_feature(enable = $feature)]
-            pub unsafe fn $name(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, alpha: f32, beta: f32) {
+            pub unsafe fn $name(
+                kc: usize,
+                a: *const f32,
+                rsa: usize,
+                csa: usize,
+                b: *const f32,
+                c: *mut f32,
+                ldc: usize,
+                alpha: f32,
+                beta: f32,
+            ) {
                 // SAFETY: every offset stays inside the ranges the contract gives.
                 unsafe {
                     let mut acc = [[$zero(); 2]; $mr];
@@ -176,11 +206,11 @@ mod x86 {
                         let b0 = $loadu(b);
                         let b1 = $loadu(b.add($lanes));
                         for (i, row) in acc.iter_mut().enumerate() {
-                            let ai = $set1(*a.add(i));
+                            let ai = $set1(*a.add(i * rsa));
                             row[0] = $fmadd(ai, b0, row[0]);
                             row[1] = $fmadd(ai, b1, row[1]);
                         }
-                        a = a.add($mr);
+                        a = a.add(csa);
                         b = b.add(2 * $lanes);
                     }
                     let va = $set1(alpha);
@@ -201,22 +231,64 @@ mod x86 {
         };
     }
 
-    micro_kernel!(avx2_6x16_impl, "avx2,fma", 6, 8,
-        _mm256_setzero_ps, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_mul_ps);
-    micro_kernel!(avx512_8x32_impl, "avx512f", 8, 16,
-        _mm512_setzero_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_mul_ps);
+    micro_kernel!(
+        avx2_6x16_impl,
+        "avx2,fma",
+        6,
+        8,
+        _mm256_setzero_ps,
+        _mm256_loadu_ps,
+        _mm256_storeu_ps,
+        _mm256_set1_ps,
+        _mm256_fmadd_ps,
+        _mm256_mul_ps
+    );
+    micro_kernel!(
+        avx512_8x32_impl,
+        "avx512f",
+        8,
+        16,
+        _mm512_setzero_ps,
+        _mm512_loadu_ps,
+        _mm512_storeu_ps,
+        _mm512_set1_ps,
+        _mm512_fmadd_ps,
+        _mm512_mul_ps
+    );
 
     /// # Safety
     /// As `avx2_6x16_impl`; only selected when avx2 and fma are detected.
-    pub unsafe fn avx2_6x16(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, alpha: f32, beta: f32) {
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn avx2_6x16(
+        kc: usize,
+        a: *const f32,
+        rsa: usize,
+        csa: usize,
+        b: *const f32,
+        c: *mut f32,
+        ldc: usize,
+        alpha: f32,
+        beta: f32,
+    ) {
         // SAFETY: forwarded contract.
-        unsafe { avx2_6x16_impl(kc, a, b, c, ldc, alpha, beta) }
+        unsafe { avx2_6x16_impl(kc, a, rsa, csa, b, c, ldc, alpha, beta) }
     }
 
     /// # Safety
     /// As `avx512_8x32_impl`; only selected when avx512f is detected.
-    pub unsafe fn avx512_8x32(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, alpha: f32, beta: f32) {
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn avx512_8x32(
+        kc: usize,
+        a: *const f32,
+        rsa: usize,
+        csa: usize,
+        b: *const f32,
+        c: *mut f32,
+        ldc: usize,
+        alpha: f32,
+        beta: f32,
+    ) {
         // SAFETY: forwarded contract.
-        unsafe { avx512_8x32_impl(kc, a, b, c, ldc, alpha, beta) }
+        unsafe { avx512_8x32_impl(kc, a, rsa, csa, b, c, ldc, alpha, beta) }
     }
 }

@@ -14,12 +14,15 @@ pub mod gemm;
 pub mod gemv;
 pub mod kernels;
 pub mod mat;
+pub mod mlp;
 pub mod pack;
+pub mod peers;
 pub mod reference;
 pub mod sweep;
+pub mod sweep_mlp;
 pub mod variants;
 
-pub use gemm::{linear, sgemm, sgemm_with, GemmOpts};
+pub use gemm::{linear, sgemm, sgemm_prepacked, sgemm_with, GemmOpts, PackedB};
 pub use kernels::MicroKernel;
 pub use mat::{MatMut, MatRef};
 

@@ -23,14 +23,29 @@ fn extent(rows: usize, cols: usize, rs: usize, cs: usize) -> Option<usize> {
     if rows == 0 || cols == 0 {
         return Some(0);
     }
-    (rows - 1).checked_mul(rs)?.checked_add((cols - 1).checked_mul(cs)?)?.checked_add(1)
+    (rows - 1)
+        .checked_mul(rs)?
+        .checked_add((cols - 1).checked_mul(cs)?)?
+        .checked_add(1)
 }
 
 impl<'a> MatRef<'a> {
     /// A strided view; checks that every element lies inside `data`.
-    pub fn new(data: &'a [f32], rows: usize, cols: usize, rs: usize, cs: usize) -> Result<Self, GemmError> {
+    pub fn new(
+        data: &'a [f32],
+        rows: usize,
+        cols: usize,
+        rs: usize,
+        cs: usize,
+    ) -> Result<Self, GemmError> {
         match extent(rows, cols, rs, cs) {
-            Some(n) if n <= data.len() => Ok(Self { data, rows, cols, rs, cs }),
+            Some(n) if n <= data.len() => Ok(Self {
+                data,
+                rows,
+                cols,
+                rs,
+                cs,
+            }),
             _ => Err(GemmError::Buffer {
                 what: "matrix view",
                 rows,
@@ -74,9 +89,19 @@ pub struct MatMut<'a> {
 }
 
 impl<'a> MatMut<'a> {
-    pub fn new(data: &'a mut [f32], rows: usize, cols: usize, ld: usize) -> Result<Self, GemmError> {
+    pub fn new(
+        data: &'a mut [f32],
+        rows: usize,
+        cols: usize,
+        ld: usize,
+    ) -> Result<Self, GemmError> {
         match extent(rows, cols, ld, 1) {
-            Some(n) if n <= data.len() && (ld >= cols || rows <= 1) => Ok(Self { data, rows, cols, ld }),
+            Some(n) if n <= data.len() && (ld >= cols || rows <= 1) => Ok(Self {
+                data,
+                rows,
+                cols,
+                ld,
+            }),
             needed => Err(GemmError::Buffer {
                 what: "output matrix",
                 rows,

@@ -12,15 +12,33 @@ pub fn pack_a(a: &MatRef, i0: usize, mc: usize, p0: usize, kc: usize, mr: usize,
     for s in 0..slivers {
         let dst = &mut out[s * kc * mr..(s + 1) * kc * mr];
         let rows = mr.min(mc - s * mr);
+        let ib = i0 + s * mr;
+        if a.rs == 1 && a.cs != 1 {
+            // A stored transposed: the mr values of one k are contiguous.
+            for (p, d) in dst.chunks_exact_mut(mr).enumerate() {
+                let start = (p0 + p) * a.cs + ib;
+                d[..rows].copy_from_slice(&a.data[start..start + rows]);
+                d[rows..].fill(0.0);
+            }
+            continue;
+        }
         for r in 0..mr {
             if r < rows {
-                let i = i0 + s * mr + r;
-                for p in 0..kc {
-                    dst[p * mr + r] = a.at(i, p0 + p);
+                let i = ib + r;
+                if a.cs == 1 {
+                    // Row-major A: read the row once, contiguously.
+                    let src = &a.data[i * a.rs + p0..i * a.rs + p0 + kc];
+                    for (d, &v) in dst.chunks_exact_mut(mr).zip(src) {
+                        d[r] = v;
+                    }
+                } else {
+                    for (p, d) in dst.chunks_exact_mut(mr).enumerate() {
+                        d[r] = a.at(i, p0 + p);
+                    }
                 }
             } else {
-                for p in 0..kc {
-                    dst[p * mr + r] = 0.0;
+                for d in dst.chunks_exact_mut(mr) {
+                    d[r] = 0.0;
                 }
             }
         }
@@ -46,6 +64,20 @@ pub fn pack_b(
         let dst = &mut out[(s - first) * kc * nr..(s - first + 1) * kc * nr];
         let cols = nr.min(nc - s * nr);
         let jb = j0 + s * nr;
+        if b.rs == 1 && b.cs != 1 {
+            // B = W^T with W rows contiguous (PyTorch weights): read each W row
+            // once, contiguously, and scatter into the L1-resident sliver.
+            for j in 0..cols {
+                let start = (jb + j) * b.cs + p0;
+                for (d, &v) in dst.chunks_exact_mut(nr).zip(&b.data[start..start + kc]) {
+                    d[j] = v;
+                }
+            }
+            for p in 0..kc {
+                dst[p * nr + cols..(p + 1) * nr].fill(0.0);
+            }
+            continue;
+        }
         for p in 0..kc {
             let d = &mut dst[p * nr..(p + 1) * nr];
             if b.cs == 1 {

@@ -5,7 +5,14 @@ use crate::mat::{MatMut, MatRef};
 
 /// f64-accumulating reference. Returns, per element of C, sum_k |a_ik * b_kj|
 /// (the scale the rounding error of an f32 dot product is proportional to).
-pub fn gemm_ref(alpha: f32, a: MatRef, b: MatRef, beta: f32, c: &mut MatMut, bias: Option<&[f32]>) -> Vec<f64> {
+pub fn gemm_ref(
+    alpha: f32,
+    a: MatRef,
+    b: MatRef,
+    beta: f32,
+    c: &mut MatMut,
+    bias: Option<&[f32]>,
+) -> Vec<f64> {
     let (m, n, k) = (a.rows, b.cols, a.cols);
     assert_eq!(b.rows, k, "inner dimensions");
     assert_eq!((c.rows, c.cols), (m, n), "output shape");
@@ -20,7 +27,11 @@ pub fn gemm_ref(alpha: f32, a: MatRef, b: MatRef, beta: f32, c: &mut MatMut, bia
                 abs += t.abs();
             }
             let cij = &mut c.data[i * c.ld + j];
-            let old = if beta == 0.0 { 0.0 } else { f64::from(beta) * f64::from(*cij) };
+            let old = if beta == 0.0 {
+                0.0
+            } else {
+                f64::from(beta) * f64::from(*cij)
+            };
             let bias_j = bias.map_or(0.0, |b| f64::from(b[j]));
             *cij = (f64::from(alpha) * acc + old + bias_j) as f32;
             scale[i * n + j] = f64::from(alpha.abs()) * abs + old.abs() + bias_j.abs();

@@ -60,7 +60,12 @@ pub fn dot(x: &[f32], y: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let xc = x.chunks_exact(8);
     let yc = y.chunks_exact(8);
-    let tail: f32 = xc.remainder().iter().zip(yc.remainder()).map(|(a, b)| a * b).sum();
+    let tail: f32 = xc
+        .remainder()
+        .iter()
+        .zip(yc.remainder())
+        .map(|(a, b)| a * b)
+        .sum();
     for (xs, ys) in xc.zip(yc) {
         for l in 0..8 {
             acc[l] += xs[l] * ys[l];

@@ -89,16 +89,28 @@ fn check(what: &str, got: &MatMut, expected: &[f32], scale: &[f64], k: usize) {
         }
         // Padding past the last column must be untouched.
         for j in got.cols..got.ld {
-            assert!(got.data[i * got.ld + j] == 7.0, "{what}: padding C[{i}, {j}] was written");
+            assert!(
+                got.data[i * got.ld + j] == 7.0,
+                "{what}: padding C[{i}, {j}] was written"
+            );
         }
     }
 }
 
 #[test]
 fn variants_match_reference() {
-    let variants: [(&str, Variant); 4] = [("naive_ijk", naive_ijk), ("ikj", ikj), ("b_transposed", b_transposed), ("blocked", blocked)];
+    let variants: [(&str, Variant); 4] = [
+        ("naive_ijk", naive_ijk),
+        ("ikj", ikj),
+        ("b_transposed", b_transposed),
+        ("blocked", blocked),
+    ];
     for &(m, n, k) in SHAPES {
-        for (la, lb) in [(Layout::RowMajor, Layout::RowMajor), (Layout::Transposed, Layout::Transposed), (Layout::Padded, Layout::Transposed)] {
+        for (la, lb) in [
+            (Layout::RowMajor, Layout::RowMajor),
+            (Layout::Transposed, Layout::Transposed),
+            (Layout::Padded, Layout::Transposed),
+        ] {
             let av = rand_vec(m * k, (m * 31 + k) as u64);
             let bv = rand_vec(k * n, (n * 17 + k + 1) as u64);
             let (ab, ars, acs) = store(&av, m, k, la);
@@ -106,12 +118,25 @@ fn variants_match_reference() {
             let a = MatRef::new(&ab, m, k, ars, acs).unwrap();
             let b = MatRef::new(&bb, k, n, brs, bcs).unwrap();
             let mut ref_c = vec![7.0f32; m * (n + 2)];
-            let scale = gemm_ref(1.0, a, b, 0.0, &mut MatMut::new(&mut ref_c, m, n, n + 2).unwrap(), None);
+            let scale = gemm_ref(
+                1.0,
+                a,
+                b,
+                0.0,
+                &mut MatMut::new(&mut ref_c, m, n, n + 2).unwrap(),
+                None,
+            );
             for (name, f) in variants {
                 let mut c = vec![7.0f32; m * (n + 2)];
                 let mut cm = MatMut::new(&mut c, m, n, n + 2).unwrap();
                 f(a, b, &mut cm);
-                check(&format!("{name} {m}x{n}x{k} {la:?}/{lb:?}"), &cm, &ref_c, &scale, k);
+                check(
+                    &format!("{name} {m}x{n}x{k} {la:?}/{lb:?}"),
+                    &cm,
+                    &ref_c,
+                    &scale,
+                    k,
+                );
             }
         }
     }
@@ -120,12 +145,19 @@ fn variants_match_reference() {
 #[test]
 fn packed_kernels_and_threads_match_reference() {
     let kernels = MicroKernel::available();
-    assert!(kernels.iter().any(|k| k.name.starts_with("portable 8x32")), "the AVX-512 geometry must be tested");
+    assert!(
+        kernels.iter().any(|k| k.name.starts_with("portable 8x32")),
+        "the AVX-512 geometry must be tested"
+    );
     let mut shapes = SHAPES.to_vec();
     shapes.push((200, 150, 300)); // above PAR_MIN_MACS: the threaded path runs
     shapes.push((3, 1000, 1500)); // few rows, many columns: threads split N
     for &(m, n, k) in &shapes {
-        for (la, lb) in [(Layout::RowMajor, Layout::RowMajor), (Layout::Transposed, Layout::Transposed), (Layout::Padded, Layout::Padded)] {
+        for (la, lb) in [
+            (Layout::RowMajor, Layout::RowMajor),
+            (Layout::Transposed, Layout::Transposed),
+            (Layout::Padded, Layout::Padded),
+        ] {
             let av = rand_vec(m * k, (m * 7 + k) as u64);
             let bv = rand_vec(k * n, (n * 5 + k + 3) as u64);
             let c0 = rand_vec(m * (n + 2), 99);
@@ -134,18 +166,33 @@ fn packed_kernels_and_threads_match_reference() {
             let (bb, brs, bcs) = store(&bv, k, n, lb);
             let a = MatRef::new(&ab, m, k, ars, acs).unwrap();
             let b = MatRef::new(&bb, k, n, brs, bcs).unwrap();
-            for (alpha, beta, with_bias) in [(1.0, 0.0, false), (0.5, 1.0, true), (-2.0, 0.25, false)] {
+            for (alpha, beta, with_bias) in
+                [(1.0, 0.0, false), (0.5, 1.0, true), (-2.0, 0.25, false)]
+            {
                 let init = |c: &mut Vec<f32>| {
                     for i in 0..m {
                         for j in 0..n + 2 {
-                            c[i * (n + 2) + j] = if j >= n { 7.0 } else if beta == 0.0 { f32::NAN } else { c0[i * (n + 2) + j] };
+                            c[i * (n + 2) + j] = if j >= n {
+                                7.0
+                            } else if beta == 0.0 {
+                                f32::NAN
+                            } else {
+                                c0[i * (n + 2) + j]
+                            };
                         }
                     }
                 };
                 let mut ref_c = vec![0.0; m * (n + 2)];
                 init(&mut ref_c);
                 let bias_opt = with_bias.then_some(bias.as_slice());
-                let scale = gemm_ref(alpha, a, b, beta, &mut MatMut::new(&mut ref_c, m, n, n + 2).unwrap(), bias_opt);
+                let scale = gemm_ref(
+                    alpha,
+                    a,
+                    b,
+                    beta,
+                    &mut MatMut::new(&mut ref_c, m, n, n + 2).unwrap(),
+                    bias_opt,
+                );
                 for kern in &kernels {
                     for threads in [1, 2] {
                         let what = format!("{} threads {threads} {m}x{n}x{k} {la:?}/{lb:?} alpha {alpha} beta {beta} bias {with_bias}", kern.name);
@@ -153,7 +200,12 @@ fn packed_kernels_and_threads_match_reference() {
                         init(&mut c);
                         let mut cm = MatMut::new(&mut c, m, n, n + 2).unwrap();
                         if with_bias {
-                            let opts = GemmOpts { alpha, beta, bias: bias_opt, threads };
+                            let opts = GemmOpts {
+                                alpha,
+                                beta,
+                                bias: bias_opt,
+                                threads,
+                            };
                             sgemm_with(a, b, &mut cm, opts, *kern).unwrap();
                         } else {
                             // The packed driver directly (sgemm would take GEMV for m = 1).
@@ -169,20 +221,46 @@ fn packed_kernels_and_threads_match_reference() {
 
 #[test]
 fn gemv_path_matches_reference_in_both_layouts() {
-    for &(n, k) in &[(1, 1), (3, 5), (17, 15), (63, 64), (65, 129), (576, 576), (1536, 576), (3000, 700)] {
+    for &(n, k) in &[
+        (1, 1),
+        (3, 5),
+        (17, 15),
+        (63, 64),
+        (65, 129),
+        (576, 576),
+        (1536, 576),
+        (3000, 700),
+    ] {
         let x = rand_vec(k, k as u64);
         let w = rand_vec(n * k, (n + k) as u64);
         for transposed in [true, false] {
             let a = MatRef::row_major(&x, 1, k).unwrap();
             // transposed: W (n, k) seen as (k, n); else B (k, n) row-major with the same values.
-            let b = if transposed { MatRef::row_major(&w, n, k).unwrap().t() } else { MatRef::row_major(&w, k, n).unwrap() };
+            let b = if transposed {
+                MatRef::row_major(&w, n, k).unwrap().t()
+            } else {
+                MatRef::row_major(&w, k, n).unwrap()
+            };
             let mut ref_y = vec![0.0; n];
-            let scale = gemm_ref(1.0, a, b, 0.0, &mut MatMut::row_major(&mut ref_y, 1, n).unwrap(), None);
+            let scale = gemm_ref(
+                1.0,
+                a,
+                b,
+                0.0,
+                &mut MatMut::row_major(&mut ref_y, 1, n).unwrap(),
+                None,
+            );
             for threads in [1, 2] {
                 let mut y = vec![f32::NAN; n];
                 let mut ym = MatMut::row_major(&mut y, 1, n).unwrap();
                 p02_matmul_bench::gemv::gemv(1.0, a, b, 0.0, &mut ym, threads);
-                check(&format!("gemv n {n} k {k} transposed {transposed} threads {threads}"), &ym, &ref_y, &scale, k);
+                check(
+                    &format!("gemv n {n} k {k} transposed {transposed} threads {threads}"),
+                    &ym,
+                    &ref_y,
+                    &scale,
+                    k,
+                );
             }
         }
     }
@@ -192,22 +270,109 @@ fn gemv_path_matches_reference_in_both_layouts() {
 fn bad_shapes_are_errors_not_panics() {
     let a = vec![0.0; 6];
     // A view that would read past its buffer.
-    assert!(matches!(MatRef::new(&a, 3, 3, 3, 1), Err(GemmError::Buffer { .. })));
-    assert!(matches!(MatRef::new(&a, usize::MAX, 2, usize::MAX, 1), Err(GemmError::Buffer { needed: None, .. })));
+    assert!(matches!(
+        MatRef::new(&a, 3, 3, 3, 1),
+        Err(GemmError::Buffer { .. })
+    ));
+    assert!(matches!(
+        MatRef::new(&a, usize::MAX, 2, usize::MAX, 1),
+        Err(GemmError::Buffer { needed: None, .. })
+    ));
     let a2 = MatRef::row_major(&a, 2, 3).unwrap();
     let b = MatRef::row_major(&a, 2, 3).unwrap();
     let mut c = vec![0.0; 9];
     let mut cm = MatMut::row_major(&mut c, 2, 3).unwrap();
     let e = p02_matmul_bench::sgemm(a2, b, &mut cm, GemmOpts::default()).unwrap_err();
-    assert_eq!(e, GemmError::Shape { a: (2, 3), b: (2, 3), c: (2, 3) });
+    assert_eq!(
+        e,
+        GemmError::Shape {
+            a: (2, 3),
+            b: (2, 3),
+            c: (2, 3)
+        }
+    );
     let b = MatRef::row_major(&a, 3, 2).unwrap();
     let mut c = vec![0.0; 4];
     let mut cm = MatMut::row_major(&mut c, 2, 2).unwrap();
-    let opts = GemmOpts { bias: Some(&[1.0, 2.0, 3.0]), ..GemmOpts::default() };
-    assert_eq!(p02_matmul_bench::sgemm(a2, b, &mut cm, opts).unwrap_err(), GemmError::Bias { len: 3, n: 2 });
+    let opts = GemmOpts {
+        bias: Some(&[1.0, 2.0, 3.0]),
+        ..GemmOpts::default()
+    };
+    assert_eq!(
+        p02_matmul_bench::sgemm(a2, b, &mut cm, opts).unwrap_err(),
+        GemmError::Bias { len: 3, n: 2 }
+    );
     let mut y = vec![0.0; 3];
-    assert!(matches!(p02_matmul_bench::linear(&a, 2, &a[..5], 2, None, &mut y, 1), Err(GemmError::Linear { .. })));
+    assert!(matches!(
+        p02_matmul_bench::linear(&a, 2, &a[..5], 2, None, &mut y, 1),
+        Err(GemmError::Linear { .. })
+    ));
     assert!(p02_matmul_bench::linear(&a, 2, &a, 2, None, &mut y[..2], 1).is_err());
     let mut y = vec![0.0; 4];
     p02_matmul_bench::linear(&a, 2, &a, 2, None, &mut y, 1).unwrap();
+}
+
+#[test]
+fn prepacked_b_matches_reference() {
+    use p02_matmul_bench::{sgemm_prepacked, PackedB};
+    let kernels = MicroKernel::available();
+    let mut shapes = SHAPES.to_vec();
+    shapes.extend([(200, 150, 300), (3, 1000, 1500), (40, 5000, 600)]);
+    for &(m, n, k) in &shapes {
+        let av = rand_vec(m * k, (m + 3 * k) as u64);
+        let w = rand_vec(n * k, (n + k) as u64); // W (n, k): B = W^T
+        let bias = rand_vec(n, 11);
+        let a = MatRef::row_major(&av, m, k).unwrap();
+        let b = MatRef::row_major(&w, n, k).unwrap().t();
+        let mut ref_c = vec![7.0; m * (n + 2)];
+        let scale = gemm_ref(
+            1.0,
+            a,
+            b,
+            0.0,
+            &mut MatMut::new(&mut ref_c, m, n, n + 2).unwrap(),
+            Some(&bias),
+        );
+        for kern in &kernels {
+            let packed = PackedB::new(b, *kern);
+            assert_eq!((packed.rows(), packed.cols()), (k, n));
+            for threads in [1, 2] {
+                let mut c = vec![7.0; m * (n + 2)];
+                for v in c.chunks_mut(n + 2) {
+                    v[..n].fill(f32::NAN);
+                }
+                let mut cm = MatMut::new(&mut c, m, n, n + 2).unwrap();
+                sgemm_prepacked(
+                    a,
+                    &packed,
+                    &mut cm,
+                    GemmOpts {
+                        bias: Some(&bias),
+                        threads,
+                        ..GemmOpts::default()
+                    },
+                )
+                .unwrap();
+                check(
+                    &format!("prepacked {} threads {threads} {m}x{n}x{k}", kern.name),
+                    &cm,
+                    &ref_c,
+                    &scale,
+                    k,
+                );
+            }
+        }
+    }
+    let w = vec![0.0; 6];
+    assert!(PackedB::linear_weight(&w, 4, 2).is_err());
+    let p = PackedB::linear_weight(&w, 3, 2).unwrap();
+    let x = vec![0.0; 4];
+    let mut y = vec![0.0; 2 * 4];
+    let e = sgemm_prepacked(
+        MatRef::row_major(&x, 2, 2).unwrap(),
+        &p,
+        &mut MatMut::row_major(&mut y, 2, 4).unwrap(),
+        GemmOpts::default(),
+    );
+    assert!(matches!(e, Err(GemmError::Shape { .. })));
 }
