@@ -201,16 +201,21 @@ mod x86 {
                 // SAFETY: every offset stays inside the ranges the contract gives.
                 unsafe {
                     let mut acc = [[$zero(); 2]; $mr];
-                    let (mut a, mut b) = (a, b);
+                    // One base pointer per row and one shared k offset: every
+                    // broadcast is [base_i + off*4], independent of the others
+                    // (a running pointer would chain MR dependent adds per k).
+                    let rows: [*const f32; $mr] = std::array::from_fn(|i| a.add(i * rsa));
+                    let mut off = 0usize;
+                    let mut b = b;
                     for _ in 0..kc {
                         let b0 = $loadu(b);
                         let b1 = $loadu(b.add($lanes));
-                        for (i, row) in acc.iter_mut().enumerate() {
-                            let ai = $set1(*a.add(i * rsa));
+                        for (row, &ar) in acc.iter_mut().zip(&rows) {
+                            let ai = $set1(*ar.add(off));
                             row[0] = $fmadd(ai, b0, row[0]);
                             row[1] = $fmadd(ai, b1, row[1]);
                         }
-                        a = a.add(csa);
+                        off += csa;
                         b = b.add(2 * $lanes);
                     }
                     let va = $set1(alpha);
