@@ -38,13 +38,21 @@ pub struct Labels<'a> {
     pub y: &'a str,
 }
 
-const COLORS: [RGBColor; 6] = [
+/// Twelve distinguishable colours (matplotlib's tab10 plus two), so a chart
+/// of a dozen series never repeats one.
+const COLORS: [RGBColor; 12] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
     RGBColor(214, 39, 40),
     RGBColor(148, 103, 189),
     RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
+    RGBColor(0, 0, 0),
+    RGBColor(255, 215, 0),
 ];
 
 fn bounds(series: &[Series], scale: Scale) -> Option<((f64, f64), (f64, f64))> {
