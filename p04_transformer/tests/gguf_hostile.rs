@@ -122,7 +122,7 @@ impl Builder {
         b.extend(self.kv_count.unwrap_or(self.n_kv).to_le_bytes());
         b.extend(&self.kvs);
         b.extend(&self.infos);
-        while b.len() % self.alignment != 0 {
+        while !b.len().is_multiple_of(self.alignment) {
             b.push(0);
         }
         b.extend(&self.data);
