@@ -2,16 +2,22 @@
 //!
 //! Done so far: the GGUF reader ([`gguf`], hostile-file hardened) and the
 //! dequantisers of its tensor types ([`dequant`]), wrapped by [`model_file`]
-//! (memory-mapped file, f32 tensors). Still to come (issue 4): the HF
-//! safetensors loader, GPT-2 and Llama forward passes, the BPE tokenizer.
+//! (memory-mapped file, f32 tensors); the Llama forward pass ([`llama`]) from
+//! GGUF or a Hugging Face directory ([`weights`]). Still to come (issue 4):
+//! GPT-2, the BPE tokenizer, generate/trace.
 
 pub mod dequant;
+pub mod error;
 pub mod gguf;
 pub mod inspect;
+pub mod llama;
 pub mod model_file;
+pub mod weights;
 
 pub use dequant::{dequantize, GgmlType};
+pub use error::ModelError;
 pub use gguf::{GgufError, GgufHeader, TensorInfo, Value};
+pub use llama::{Llama, LlamaConfig};
 pub use model_file::GgufFile;
 
 /// The committed fixtures directory of this crate.

@@ -1,0 +1,42 @@
+//! Model-level errors: each names the file, tensor or key, and what was expected.
+
+use std::path::PathBuf;
+
+use thiserror::Error;
+
+use crate::gguf::GgufError;
+
+#[derive(Debug, Error)]
+pub enum ModelError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error(transparent)]
+    Safetensors(#[from] common::st::StError),
+    #[error("{path}: {msg}")]
+    Config { path: PathBuf, msg: String },
+    #[error("{path}: architecture `{found}` is not supported (supported: {supported})")]
+    Arch {
+        path: PathBuf,
+        found: String,
+        supported: &'static str,
+    },
+    #[error("{path}: tensor `{name}` has shape {found:?}, expected {expected:?}")]
+    Shape {
+        path: PathBuf,
+        name: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+    #[error("token id {id} at position {pos} is outside the vocabulary (size {vocab})")]
+    TokenId { id: u32, pos: usize, vocab: usize },
+    #[error("sequence of {len} tokens exceeds the model's context of {ctx}")]
+    Context { len: usize, ctx: usize },
+    #[error("input has {len} ids, not batch {batch} x seq {seq}")]
+    Input {
+        len: usize,
+        batch: usize,
+        seq: usize,
+    },
+    #[error("matmul: {0}")]
+    Gemm(#[from] p02_matmul_bench::GemmError),
+}

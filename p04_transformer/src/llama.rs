@@ -1,0 +1,421 @@
+//! Llama-family forward pass (SmolLM2, TinyLlama, Llama 2/3 shapes): RMSNorm,
+//! rotary position embeddings, grouped-query attention, SwiGLU, tied or
+//! untied output head. One narrative `forward`, weights loaded from a GGUF
+//! file or a Hugging Face directory.
+
+use std::path::Path;
+
+use common::Tensor;
+
+use crate::error::ModelError;
+use crate::model_file::GgufFile;
+use crate::weights::{HfDir, Source};
+
+/// Hyper-parameters (names follow the Llama paper / HF config).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    pub vocab_size: usize,
+    /// d_model
+    pub hidden_size: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub head_dim: usize,
+    /// SwiGLU hidden width.
+    pub intermediate_size: usize,
+    pub rope_theta: f32,
+    pub rms_norm_eps: f32,
+    pub max_seq: usize,
+}
+
+/// One decoder block's weights, (out, in) as PyTorch stores them.
+#[derive(Debug)]
+pub struct LlamaBlock {
+    /// (hidden)
+    pub attn_norm: Vec<f32>,
+    /// (n_head * head_dim, hidden), rows in HF order (un-permuted from GGUF)
+    pub wq: Vec<f32>,
+    /// (n_kv_head * head_dim, hidden)
+    pub wk: Vec<f32>,
+    /// (n_kv_head * head_dim, hidden)
+    pub wv: Vec<f32>,
+    /// (hidden, n_head * head_dim)
+    pub wo: Vec<f32>,
+    /// (hidden)
+    pub ffn_norm: Vec<f32>,
+    /// (intermediate, hidden)
+    pub w_gate: Vec<f32>,
+    /// (intermediate, hidden)
+    pub w_up: Vec<f32>,
+    /// (hidden, intermediate)
+    pub w_down: Vec<f32>,
+}
+
+/// A loaded Llama model (f32 weights).
+#[derive(Debug)]
+pub struct Llama {
+    pub cfg: LlamaConfig,
+    /// (vocab, hidden)
+    pub tok_embd: Vec<f32>,
+    pub blocks: Vec<LlamaBlock>,
+    /// (hidden)
+    pub out_norm: Vec<f32>,
+    /// (vocab, hidden); `None` when tied to `tok_embd`.
+    pub lm_head: Option<Vec<f32>>,
+    /// Threads for the matmuls.
+    pub threads: usize,
+}
+
+/// GGUF stores Q and K rows permuted for llama.cpp's interleaved RoPE: per
+/// head, HF row (j, r) (j in {0, 1} halves, r < head_dim/2) sits at GGUF row
+/// (r, j). Undo it so the HF rotate-half RoPE applies.
+pub fn unpermute_qk(w: &[f32], n_head: usize, head_dim: usize, cols: usize) -> Vec<f32> {
+    let half = head_dim / 2;
+    let mut out = vec![0.0f32; w.len()];
+    for h in 0..n_head {
+        for j in 0..2 {
+            for r in 0..half {
+                let src = (h * head_dim + 2 * r + j) * cols;
+                let dst = (h * head_dim + j * half + r) * cols;
+                out[dst..dst + cols].copy_from_slice(&w[src..src + cols]);
+            }
+        }
+    }
+    out
+}
+
+impl Llama {
+    /// Load from a GGUF file (architecture `llama`).
+    pub fn from_gguf(f: &GgufFile) -> Result<Llama, ModelError> {
+        let h = &f.header;
+        let arch = h.get_str("general.architecture")?;
+        if arch != "llama" {
+            return Err(ModelError::Arch {
+                path: f.path.clone(),
+                found: arch.to_string(),
+                supported: "llama",
+            });
+        }
+        let u = |k: &str| h.get_u64(&format!("llama.{k}")).map(|v| v as usize);
+        let hidden = u("embedding_length")?;
+        let n_head = u("attention.head_count")?;
+        let vocab = match h.get_u64("llama.vocab_size") {
+            Ok(v) => v as usize,
+            Err(_) => h.tensor("token_embd.weight")?.shape()[0],
+        };
+        let cfg = LlamaConfig {
+            vocab_size: vocab,
+            hidden_size: hidden,
+            n_layer: u("block_count")?,
+            n_head,
+            n_kv_head: u("attention.head_count_kv").unwrap_or(n_head),
+            head_dim: if n_head == 0 { 0 } else { hidden / n_head },
+            intermediate_size: u("feed_forward_length")?,
+            rope_theta: h.get_f64("llama.rope.freq_base").unwrap_or(10_000.0) as f32,
+            rms_norm_eps: h.get_f64("llama.attention.layer_norm_rms_epsilon")? as f32,
+            max_seq: u("context_length")?,
+        };
+        validate(&cfg, &f.path)?;
+        let src = Source::Gguf(f);
+        let (hd, d) = (cfg.head_dim, cfg.hidden_size);
+        let mut blocks = Vec::with_capacity(cfg.n_layer);
+        for i in 0..cfg.n_layer {
+            let g = |n: &str, shape: &[usize]| src.get(&format!("blk.{i}.{n}.weight"), shape);
+            blocks.push(LlamaBlock {
+                attn_norm: g("attn_norm", &[d])?,
+                wq: unpermute_qk(&g("attn_q", &[cfg.n_head * hd, d])?, cfg.n_head, hd, d),
+                wk: unpermute_qk(
+                    &g("attn_k", &[cfg.n_kv_head * hd, d])?,
+                    cfg.n_kv_head,
+                    hd,
+                    d,
+                ),
+                wv: g("attn_v", &[cfg.n_kv_head * hd, d])?,
+                wo: g("attn_output", &[d, cfg.n_head * hd])?,
+                ffn_norm: g("ffn_norm", &[d])?,
+                w_gate: g("ffn_gate", &[cfg.intermediate_size, d])?,
+                w_up: g("ffn_up", &[cfg.intermediate_size, d])?,
+                w_down: g("ffn_down", &[d, cfg.intermediate_size])?,
+            });
+        }
+        let lm_head = if h.tensors.iter().any(|t| t.name == "output.weight") {
+            Some(src.get("output.weight", &[cfg.vocab_size, d])?)
+        } else {
+            None
+        };
+        Ok(Llama {
+            tok_embd: src.get("token_embd.weight", &[cfg.vocab_size, d])?,
+            out_norm: src.get("output_norm.weight", &[d])?,
+            lm_head,
+            blocks,
+            threads: rayon_threads(),
+            cfg,
+        })
+    }
+
+    /// Load from a Hugging Face directory (`config.json` + `model.safetensors`).
+    pub fn from_hf_dir(dir: &Path) -> Result<Llama, ModelError> {
+        let hf = HfDir::open(dir)?;
+        let c = &hf.config;
+        let n_head = hf.usize("num_attention_heads")?;
+        let hidden = hf.usize("hidden_size")?;
+        let cfg = LlamaConfig {
+            vocab_size: hf.usize("vocab_size")?,
+            hidden_size: hidden,
+            n_layer: hf.usize("num_hidden_layers")?,
+            n_head,
+            n_kv_head: hf.usize("num_key_value_heads").unwrap_or(n_head),
+            head_dim: hf
+                .usize("head_dim")
+                .unwrap_or(if n_head == 0 { 0 } else { hidden / n_head }),
+            intermediate_size: hf.usize("intermediate_size")?,
+            rope_theta: c["rope_theta"].as_f64().unwrap_or(10_000.0) as f32,
+            rms_norm_eps: c["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32,
+            max_seq: hf.usize("max_position_embeddings")?,
+        };
+        validate(&cfg, &hf.config_path)?;
+        let src = Source::Hf(&hf);
+        let (hd, d) = (cfg.head_dim, cfg.hidden_size);
+        let mut blocks = Vec::with_capacity(cfg.n_layer);
+        for i in 0..cfg.n_layer {
+            let g =
+                |n: &str, shape: &[usize]| src.get(&format!("model.layers.{i}.{n}.weight"), shape);
+            blocks.push(LlamaBlock {
+                attn_norm: g("input_layernorm", &[d])?,
+                wq: g("self_attn.q_proj", &[cfg.n_head * hd, d])?,
+                wk: g("self_attn.k_proj", &[cfg.n_kv_head * hd, d])?,
+                wv: g("self_attn.v_proj", &[cfg.n_kv_head * hd, d])?,
+                wo: g("self_attn.o_proj", &[d, cfg.n_head * hd])?,
+                ffn_norm: g("post_attention_layernorm", &[d])?,
+                w_gate: g("mlp.gate_proj", &[cfg.intermediate_size, d])?,
+                w_up: g("mlp.up_proj", &[cfg.intermediate_size, d])?,
+                w_down: g("mlp.down_proj", &[d, cfg.intermediate_size])?,
+            });
+        }
+        let tied = c["tie_word_embeddings"].as_bool().unwrap_or(false) || !hf.has("lm_head.weight");
+        Ok(Llama {
+            tok_embd: src.get("model.embed_tokens.weight", &[cfg.vocab_size, d])?,
+            out_norm: src.get("model.norm.weight", &[d])?,
+            lm_head: if tied {
+                None
+            } else {
+                Some(src.get("lm_head.weight", &[cfg.vocab_size, d])?)
+            },
+            blocks,
+            threads: rayon_threads(),
+            cfg,
+        })
+    }
+
+    /// Logits (batch, seq, vocab) for `ids` (batch x seq, row-major), every
+    /// position attending causally to the ones before it.
+    pub fn forward(&self, ids: &[u32], batch: usize, seq: usize) -> Result<Tensor, ModelError> {
+        let c = &self.cfg;
+        check_ids(ids, batch, seq, c.vocab_size, c.max_seq)?;
+        let (d, hd, nh, nkv) = (c.hidden_size, c.head_dim, c.n_head, c.n_kv_head);
+        let rows = batch * seq;
+        let t = self.threads;
+        let lin = |x: &[f32], w: &[f32], out: usize| -> Result<Vec<f32>, ModelError> {
+            let mut y = vec![0.0f32; rows * out];
+            p02_matmul_bench::linear(x, rows, w, out, None, &mut y, t)?;
+            Ok(y)
+        };
+
+        // 1. Token embeddings: x (batch*seq, hidden).
+        let mut x = vec![0.0f32; rows * d];
+        for (r, &id) in ids.iter().enumerate() {
+            let id = id as usize;
+            x[r * d..(r + 1) * d].copy_from_slice(&self.tok_embd[id * d..(id + 1) * d]);
+        }
+        let (cos, sin) = rope_tables(seq, hd, c.rope_theta);
+
+        for blk in &self.blocks {
+            // 2. Attention sub-block: x += Wo . attn(RoPE(Wq h), RoPE(Wk h), Wv h), h = RMSNorm(x).
+            let h = rms_norm(&x, d, &blk.attn_norm, c.rms_norm_eps);
+            let mut q = lin(&h, &blk.wq, nh * hd)?; // (rows, n_head * head_dim)
+            let mut k = lin(&h, &blk.wk, nkv * hd)?; // (rows, n_kv_head * head_dim)
+            let v = lin(&h, &blk.wv, nkv * hd)?; // (rows, n_kv_head * head_dim)
+            apply_rope(&mut q, batch, seq, nh, hd, &cos, &sin);
+            apply_rope(&mut k, batch, seq, nkv, hd, &cos, &sin);
+            let att = causal_attention(&q, &k, &v, batch, seq, nh, nkv, hd); // (rows, n_head * head_dim)
+            let o = lin(&att, &blk.wo, d)?;
+            x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
+
+            // 3. MLP sub-block (SwiGLU): x += W_down (silu(W_gate h) * W_up h), h = RMSNorm(x).
+            let h = rms_norm(&x, d, &blk.ffn_norm, c.rms_norm_eps);
+            let mut g = lin(&h, &blk.w_gate, c.intermediate_size)?;
+            let u = lin(&h, &blk.w_up, c.intermediate_size)?;
+            g.iter_mut().zip(&u).for_each(|(g, u)| *g = silu(*g) * u);
+            let down = lin(&g, &blk.w_down, d)?;
+            x.iter_mut().zip(&down).for_each(|(x, o)| *x += o);
+        }
+
+        // 4. Final norm and the output head (tied: the embedding matrix).
+        let h = rms_norm(&x, d, &self.out_norm, c.rms_norm_eps);
+        let head = self.lm_head.as_deref().unwrap_or(&self.tok_embd);
+        let logits = lin(&h, head, c.vocab_size)?;
+        Ok(Tensor::new(vec![batch, seq, c.vocab_size], logits).expect("sized from its shape"))
+    }
+}
+
+fn rayon_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+fn validate(c: &LlamaConfig, path: &Path) -> Result<(), ModelError> {
+    let bad = |msg: String| ModelError::Config {
+        path: path.to_path_buf(),
+        msg,
+    };
+    if c.n_head == 0 || c.n_kv_head == 0 || c.hidden_size == 0 || c.vocab_size == 0 {
+        return Err(bad(format!("zero-sized config: {c:?}")));
+    }
+    if c.n_head % c.n_kv_head != 0 {
+        return Err(bad(format!(
+            "{} query heads do not divide into {} KV heads",
+            c.n_head, c.n_kv_head
+        )));
+    }
+    if c.head_dim % 2 != 0 || c.head_dim == 0 {
+        return Err(bad(format!(
+            "head_dim {} must be even and positive (RoPE rotates pairs)",
+            c.head_dim
+        )));
+    }
+    Ok(())
+}
+
+/// Ids must be in the vocabulary and the sequence within the context.
+pub fn check_ids(
+    ids: &[u32],
+    batch: usize,
+    seq: usize,
+    vocab: usize,
+    ctx: usize,
+) -> Result<(), ModelError> {
+    if Some(ids.len()) != batch.checked_mul(seq) {
+        return Err(ModelError::Input {
+            len: ids.len(),
+            batch,
+            seq,
+        });
+    }
+    if seq > ctx {
+        return Err(ModelError::Context { len: seq, ctx });
+    }
+    if let Some((pos, &id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+        return Err(ModelError::TokenId { id, pos, vocab });
+    }
+    Ok(())
+}
+
+/// RMSNorm over each row: x / sqrt(mean(x^2) + eps) * w.
+pub fn rms_norm(x: &[f32], d: usize, w: &[f32], eps: f32) -> Vec<f32> {
+    let mut y = vec![0.0f32; x.len()];
+    for (xr, yr) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
+        let ms = xr.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / d as f64;
+        let inv = (1.0 / (ms + f64::from(eps)).sqrt()) as f32;
+        for ((y, &x), &w) in yr.iter_mut().zip(xr).zip(w) {
+            *y = w * (x * inv);
+        }
+    }
+    y
+}
+
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// cos/sin tables (seq, head_dim/2): angle = pos / theta^(2i / head_dim),
+/// computed in f32 as HF does.
+pub fn rope_tables(seq: usize, hd: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
+    let half = hd / 2;
+    let inv: Vec<f32> = (0..half)
+        .map(|i| 1.0 / theta.powf((2 * i) as f32 / hd as f32))
+        .collect();
+    let mut cos = vec![0.0f32; seq * half];
+    let mut sin = vec![0.0f32; seq * half];
+    for p in 0..seq {
+        for i in 0..half {
+            let a = p as f32 * inv[i];
+            cos[p * half + i] = a.cos();
+            sin[p * half + i] = a.sin();
+        }
+    }
+    (cos, sin)
+}
+
+/// Rotate-half RoPE in place on (batch*seq, n_heads*head_dim): for i < half,
+/// (x_i, x_{i+half}) -> (x_i cos - x_{i+half} sin, x_{i+half} cos + x_i sin).
+pub fn apply_rope(
+    x: &mut [f32],
+    batch: usize,
+    seq: usize,
+    n_heads: usize,
+    hd: usize,
+    cos: &[f32],
+    sin: &[f32],
+) {
+    let half = hd / 2;
+    for b in 0..batch {
+        for p in 0..seq {
+            let row = &mut x[(b * seq + p) * n_heads * hd..(b * seq + p + 1) * n_heads * hd];
+            for head in row.chunks_exact_mut(hd) {
+                for i in 0..half {
+                    let (c, s) = (cos[p * half + i], sin[p * half + i]);
+                    let (x1, x2) = (head[i], head[i + half]);
+                    head[i] = x1 * c - x2 * s;
+                    head[i + half] = x2 * c + x1 * s;
+                }
+            }
+        }
+    }
+}
+
+/// softmax(q k^T / sqrt(head_dim) + causal mask) v, per batch and query head;
+/// query head h reads KV head h / (n_head / n_kv_head) (grouped-query attention).
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    batch: usize,
+    seq: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+) -> Vec<f32> {
+    let group = nh / nkv;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut out = vec![0.0f32; batch * seq * nh * hd];
+    let mut scores = vec![0.0f32; seq];
+    for b in 0..batch {
+        for h in 0..nh {
+            let kvh = h / group;
+            for t in 0..seq {
+                let qt = &q[((b * seq + t) * nh + h) * hd..][..hd];
+                // scores over positions 0..=t (the mask hides the future)
+                let mut max = f32::NEG_INFINITY;
+                for (s, sc) in scores.iter_mut().enumerate().take(t + 1) {
+                    let ks = &k[((b * seq + s) * nkv + kvh) * hd..][..hd];
+                    *sc = qt.iter().zip(ks).map(|(a, b)| a * b).sum::<f32>() * scale;
+                    max = max.max(*sc);
+                }
+                let mut sum = 0.0f32;
+                for sc in &mut scores[..=t] {
+                    *sc = (*sc - max).exp();
+                    sum += *sc;
+                }
+                let o = &mut out[((b * seq + t) * nh + h) * hd..][..hd];
+                for (s, &p) in scores[..=t].iter().enumerate() {
+                    let vs = &v[((b * seq + s) * nkv + kvh) * hd..][..hd];
+                    let w = p / sum;
+                    for (o, &vv) in o.iter_mut().zip(vs) {
+                        *o += w * vv;
+                    }
+                }
+            }
+        }
+    }
+    out
+}

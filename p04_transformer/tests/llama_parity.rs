@@ -1,0 +1,107 @@
+//! Llama forward pass against transformers: a tiny random LlamaForCausalLM
+//! (GQA, untied head) from its save_pretrained directory, and
+//! SmolLM2-135M-Instruct from the Q4_1 GGUF (last-position logits and 32
+//! greedy tokens for 5 prompts, one chat-formatted).
+
+use common::compare::check_close;
+use common::st;
+use p04_transformer::{GgufFile, Llama};
+
+fn ids_u32(v: &[i64]) -> Vec<u32> {
+    v.iter()
+        .map(|&i| u32::try_from(i).expect("fixture ids are small"))
+        .collect()
+}
+
+#[test]
+fn tiny_llama_matches_transformers_at_every_position() {
+    let dir = p04_transformer::fixtures_dir().join("tiny_llama");
+    let model = Llama::from_hf_dir(&dir).unwrap();
+    assert_eq!(
+        (model.cfg.n_head, model.cfg.n_kv_head),
+        (4, 2),
+        "GQA must be on"
+    );
+    assert!(model.lm_head.is_some(), "this fixture has an untied head");
+    let io = st::load(&dir.join("io.safetensors")).unwrap();
+    let (shape, ids) = io.ints("ids").unwrap();
+    let logits = model.forward(&ids_u32(ids), shape[0], shape[1]).unwrap();
+    // 2 layers of width 32: float32 sums of <= 64 terms; 1e-4 is ~100 ulps at logit scale ~2.
+    check_close(
+        "tiny llama logits",
+        &logits,
+        io.tensor("logits").unwrap(),
+        1e-4,
+        0.0,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Measured worst |logit - transformers| over 5 prompts x 49,152 logits: 5.2e-5
+/// (f32 sums of 576..1536 terms through 30 layers, in a different order than
+/// PyTorch's; logits reach ~30). The bound leaves 4x for other CPUs' kernels.
+const SMOLLM2_LOGIT_ATOL: f32 = 2e-4;
+
+#[test]
+fn smollm2_gguf_matches_transformers_logits_and_32_greedy_tokens() {
+    let path =
+        common::assets::ensure(common::assets::Asset::SmolLm2).unwrap_or_else(|e| panic!("{e}"));
+    let model = Llama::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+    assert!(
+        model.lm_head.is_none(),
+        "SmolLM2 ties its head to the embeddings"
+    );
+    let fx = st::load(&p04_transformer::fixtures_dir().join("smollm2_parity.safetensors")).unwrap();
+    let mut worst = 0.0f32;
+    for p in 0..5 {
+        let ids = ids_u32(&fx.ints(&format!("p{p}/ids")).unwrap().1);
+        let want = fx.tensor(&format!("p{p}/last_logits")).unwrap();
+        let logits = model.forward(&ids, 1, ids.len()).unwrap();
+        let v = logits.shape()[2];
+        let last =
+            common::Tensor::new(vec![v], logits.data()[(ids.len() - 1) * v..].to_vec()).unwrap();
+        let d = check_close(
+            &format!("prompt {p} last logits"),
+            &last,
+            want,
+            SMOLLM2_LOGIT_ATOL,
+            0.0,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        worst = worst.max(d.max_abs);
+
+        // Greedy: argmax, append, recompute everything (no cache yet).
+        let greedy = fx.ints(&format!("p{p}/greedy")).unwrap().1.clone();
+        let mut seq = ids.clone();
+        for (step, &expected) in greedy.iter().enumerate() {
+            let logits = model.forward(&seq, 1, seq.len()).unwrap();
+            let next = logits.data()[(seq.len() - 1) * v..]
+                .iter()
+                .enumerate()
+                .fold(
+                    (0, f32::NEG_INFINITY),
+                    |b, (i, &x)| if x > b.1 { (i, x) } else { b },
+                )
+                .0;
+            assert_eq!(next as i64, expected, "prompt {p}, greedy step {step}");
+            seq.push(next as u32);
+        }
+    }
+    eprintln!("SmolLM2 worst |logit diff| over 5 prompts: {worst:e}");
+}
+
+#[test]
+fn bad_ids_and_lengths_are_errors() {
+    let model = Llama::from_hf_dir(&p04_transformer::fixtures_dir().join("tiny_llama")).unwrap();
+    let e = model.forward(&[1, 2, 101], 1, 3).unwrap_err().to_string();
+    assert!(
+        e.contains("token id 101 at position 2") && e.contains("101"),
+        "{e}"
+    );
+    let e = model.forward(&vec![1; 65], 1, 65).unwrap_err().to_string();
+    assert!(
+        e.contains("65 tokens exceeds the model's context of 64"),
+        "{e}"
+    );
+    assert!(model.forward(&[1, 2, 3], 2, 2).is_err());
+}
