@@ -109,7 +109,7 @@ impl Llama {
             n_layer: u("block_count")?,
             n_head,
             n_kv_head: u("attention.head_count_kv").unwrap_or(n_head),
-            head_dim: if n_head == 0 { 0 } else { hidden / n_head },
+            head_dim: hidden.checked_div(n_head).unwrap_or(0),
             intermediate_size: u("feed_forward_length")?,
             rope_theta: h.get_f64("llama.rope.freq_base").unwrap_or(10_000.0) as f32,
             rms_norm_eps: h.get_f64("llama.attention.layer_norm_rms_epsilon")? as f32,
@@ -270,13 +270,13 @@ fn validate(c: &LlamaConfig, path: &Path) -> Result<(), ModelError> {
     if c.n_head == 0 || c.n_kv_head == 0 || c.hidden_size == 0 || c.vocab_size == 0 {
         return Err(bad(format!("zero-sized config: {c:?}")));
     }
-    if c.n_head % c.n_kv_head != 0 {
+    if !c.n_head.is_multiple_of(c.n_kv_head) {
         return Err(bad(format!(
             "{} query heads do not divide into {} KV heads",
             c.n_head, c.n_kv_head
         )));
     }
-    if c.head_dim % 2 != 0 || c.head_dim == 0 {
+    if !c.head_dim.is_multiple_of(2) || c.head_dim == 0 {
         return Err(bad(format!(
             "head_dim {} must be even and positive (RoPE rotates pairs)",
             c.head_dim
