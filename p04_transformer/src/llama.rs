@@ -167,7 +167,7 @@ impl Llama {
             n_kv_head: hf.usize("num_key_value_heads").unwrap_or(n_head),
             head_dim: hf
                 .usize("head_dim")
-                .unwrap_or(if n_head == 0 { 0 } else { hidden / n_head }),
+                .unwrap_or(hidden.checked_div(n_head).unwrap_or(0)),
             intermediate_size: hf.usize("intermediate_size")?,
             rope_theta: c["rope_theta"].as_f64().unwrap_or(10_000.0) as f32,
             rms_norm_eps: c["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32,
