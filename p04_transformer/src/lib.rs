@@ -9,6 +9,7 @@
 pub mod dequant;
 pub mod error;
 pub mod gguf;
+pub mod gpt2;
 pub mod inspect;
 pub mod llama;
 pub mod model_file;
@@ -17,6 +18,7 @@ pub mod weights;
 pub use dequant::{dequantize, GgmlType};
 pub use error::ModelError;
 pub use gguf::{GgufError, GgufHeader, TensorInfo, Value};
+pub use gpt2::{Gpt2, Gpt2Config};
 pub use llama::{Llama, LlamaConfig};
 pub use model_file::GgufFile;
 

@@ -1,4 +1,4 @@
-//! Llama forward pass against transformers: a tiny random LlamaForCausalLM
+//! Forward passes against transformers: tiny random GPT2LMHeadModel and LlamaForCausalLM
 //! (GQA, untied head) from its save_pretrained directory, and
 //! SmolLM2-135M-Instruct from the Q4_1 GGUF (last-position logits and 32
 //! greedy tokens for 5 prompts, one chat-formatted).
@@ -104,4 +104,48 @@ fn bad_ids_and_lengths_are_errors() {
         "{e}"
     );
     assert!(model.forward(&[1, 2, 3], 2, 2).is_err());
+}
+
+#[test]
+fn tiny_gpt2_matches_transformers_at_every_position() {
+    let dir = p04_transformer::fixtures_dir().join("tiny_gpt2");
+    let model = p04_transformer::Gpt2::from_hf_dir(&dir).unwrap();
+    let io = st::load(&dir.join("io.safetensors")).unwrap();
+    let (shape, ids) = io.ints("ids").unwrap();
+    let logits = model.forward(&ids_u32(ids), shape[0], shape[1]).unwrap();
+    check_close(
+        "tiny gpt2 logits",
+        &logits,
+        io.tensor("logits").unwrap(),
+        1e-4,
+        0.0,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn gpt2_loads_the_published_layout_without_prefix() {
+    // The real `gpt2` checkpoint names tensors `h.0.attn.c_attn.weight`, not
+    // `transformer.h.0...`: rewrite the fixture that way and load it unchanged.
+    let src = p04_transformer::fixtures_dir().join("tiny_gpt2");
+    let dir = std::env::temp_dir().join(format!("p04-gpt2-bare-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+    let f = st::load(&src.join("model.safetensors")).unwrap();
+    let renamed: Vec<(String, common::Tensor)> = f
+        .tensors
+        .iter()
+        .map(|(k, v)| (k.trim_start_matches("transformer.").to_string(), v.clone()))
+        .collect();
+    assert!(renamed.iter().all(|(k, _)| !k.starts_with("transformer.")));
+    let refs: Vec<(&str, &common::Tensor)> = renamed.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    st::save(&dir.join("model.safetensors"), &refs).unwrap();
+    let bare = p04_transformer::Gpt2::from_hf_dir(&dir).unwrap();
+    let prefixed = p04_transformer::Gpt2::from_hf_dir(&src).unwrap();
+    let ids = [3u32, 1, 4, 1, 5];
+    assert_eq!(
+        bare.forward(&ids, 1, 5).unwrap(),
+        prefixed.forward(&ids, 1, 5).unwrap()
+    );
+    std::fs::remove_dir_all(&dir).ok();
 }
