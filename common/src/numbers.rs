@@ -166,7 +166,8 @@ pub fn machine_description() -> String {
     format!("{model}, {cpus} CPUs, {simd}")
 }
 
-/// Short commit hash, with "-dirty" when tracked files have changes.
+/// Short commit hash, with "-dirty" when tracked files other than bench
+/// outputs have changes.
 pub fn git_commit(dir: &Path) -> String {
     let run = |args: &[&str]| {
         Command::new("git")
@@ -180,7 +181,8 @@ pub fn git_commit(dir: &Path) -> String {
         return "unknown".into();
     };
     let hash = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    let dirty = run(&["status", "--porcelain", "--untracked-files=no"])
+    // Bench outputs (numbers.md, plots) do not make the code dirty.
+    let dirty = run(&["status", "--porcelain", "--untracked-files=no", "--", ".", ":!numbers.md", ":!*/plots/*"])
         .map(|o| !o.stdout.is_empty())
         .unwrap_or(false);
     if dirty {
