@@ -182,9 +182,17 @@ pub fn git_commit(dir: &Path) -> String {
     };
     let hash = String::from_utf8_lossy(&out.stdout).trim().to_string();
     // Bench outputs (numbers.md, plots) do not make the code dirty.
-    let dirty = run(&["status", "--porcelain", "--untracked-files=no", "--", ".", ":!numbers.md", ":!*/plots/*"])
-        .map(|o| !o.stdout.is_empty())
-        .unwrap_or(false);
+    let dirty = run(&[
+        "status",
+        "--porcelain",
+        "--untracked-files=no",
+        "--",
+        ".",
+        ":!numbers.md",
+        ":!*/plots/*",
+    ])
+    .map(|o| !o.stdout.is_empty())
+    .unwrap_or(false);
     if dirty {
         format!("{hash}-dirty")
     } else {

@@ -13,6 +13,7 @@ pub mod gpt2;
 pub mod inspect;
 pub mod llama;
 pub mod model_file;
+pub mod tokenizer;
 pub mod weights;
 
 pub use dequant::{dequantize, GgmlType};
@@ -21,6 +22,7 @@ pub use gguf::{GgufError, GgufHeader, TensorInfo, Value};
 pub use gpt2::{Gpt2, Gpt2Config};
 pub use llama::{Llama, LlamaConfig};
 pub use model_file::GgufFile;
+pub use tokenizer::Tokenizer;
 
 /// The committed fixtures directory of this crate.
 pub fn fixtures_dir() -> std::path::PathBuf {
