@@ -6,14 +6,18 @@
 //! GGUF or a Hugging Face directory ([`weights`]). Still to come (issue 4):
 //! GPT-2, the BPE tokenizer, generate/trace.
 
+pub mod bench;
 pub mod dequant;
 pub mod error;
+pub mod generate;
 pub mod gguf;
 pub mod gpt2;
 pub mod inspect;
 pub mod llama;
+pub mod model;
 pub mod model_file;
 pub mod tokenizer;
+pub mod trace;
 pub mod weights;
 
 pub use dequant::{dequantize, GgmlType};

@@ -28,27 +28,73 @@ pub struct LlamaConfig {
     pub max_seq: usize,
 }
 
+/// A projection y = x W^T with W (out, in) packed once at load for p02's
+/// micro-kernel (packing per call would cost as much as the matmul itself
+/// when only a few dozen rows pass through).
+#[derive(Debug)]
+pub struct Proj {
+    packed: p02_matmul_bench::PackedB,
+}
+
+impl Proj {
+    /// Pack W (out, in).
+    pub fn new(w: &[f32], out_f: usize, in_f: usize) -> Result<Proj, ModelError> {
+        Ok(Proj {
+            packed: p02_matmul_bench::PackedB::linear_weight(w, out_f, in_f)?,
+        })
+    }
+
+    pub fn out_features(&self) -> usize {
+        self.packed.cols()
+    }
+
+    /// x (rows, in) -> (rows, out).
+    pub fn apply(&self, x: &[f32], rows: usize, threads: usize) -> Result<Vec<f32>, ModelError> {
+        use p02_matmul_bench::{sgemm_prepacked, GemmOpts, MatMut, MatRef};
+        let (k, n) = (self.packed.rows(), self.packed.cols());
+        let mut y = vec![0.0f32; rows * n];
+        let a = MatRef::row_major(x, rows, k)?;
+        sgemm_prepacked(
+            a,
+            &self.packed,
+            &mut MatMut::row_major(&mut y, rows, n)?,
+            GemmOpts {
+                threads,
+                ..GemmOpts::default()
+            },
+        )?;
+        Ok(y)
+    }
+}
+
+/// Where forward time goes.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Profile {
+    /// The softmax(QK^T)V part (the rest is matmuls and elementwise ops).
+    pub attention: std::time::Duration,
+}
+
 /// One decoder block's weights, (out, in) as PyTorch stores them.
 #[derive(Debug)]
 pub struct LlamaBlock {
     /// (hidden)
     pub attn_norm: Vec<f32>,
     /// (n_head * head_dim, hidden), rows in HF order (un-permuted from GGUF)
-    pub wq: Vec<f32>,
+    pub wq: Proj,
     /// (n_kv_head * head_dim, hidden)
-    pub wk: Vec<f32>,
+    pub wk: Proj,
     /// (n_kv_head * head_dim, hidden)
-    pub wv: Vec<f32>,
+    pub wv: Proj,
     /// (hidden, n_head * head_dim)
-    pub wo: Vec<f32>,
+    pub wo: Proj,
     /// (hidden)
     pub ffn_norm: Vec<f32>,
     /// (intermediate, hidden)
-    pub w_gate: Vec<f32>,
+    pub w_gate: Proj,
     /// (intermediate, hidden)
-    pub w_up: Vec<f32>,
+    pub w_up: Proj,
     /// (hidden, intermediate)
-    pub w_down: Vec<f32>,
+    pub w_down: Proj,
 }
 
 /// A loaded Llama model (f32 weights).
@@ -60,8 +106,10 @@ pub struct Llama {
     pub blocks: Vec<LlamaBlock>,
     /// (hidden)
     pub out_norm: Vec<f32>,
-    /// (vocab, hidden); `None` when tied to `tok_embd`.
-    pub lm_head: Option<Vec<f32>>,
+    /// (vocab, hidden): its own matrix, or a packed copy of `tok_embd` when tied.
+    pub lm_head: Proj,
+    /// Whether the head is the embedding matrix.
+    pub tied: bool,
     /// Threads for the matmuls.
     pub threads: usize,
 }
@@ -121,32 +169,43 @@ impl Llama {
         let mut blocks = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let g = |n: &str, shape: &[usize]| src.get(&format!("blk.{i}.{n}.weight"), shape);
+            let (q, kv, ff) = (cfg.n_head * hd, cfg.n_kv_head * hd, cfg.intermediate_size);
             blocks.push(LlamaBlock {
                 attn_norm: g("attn_norm", &[d])?,
-                wq: unpermute_qk(&g("attn_q", &[cfg.n_head * hd, d])?, cfg.n_head, hd, d),
-                wk: unpermute_qk(
-                    &g("attn_k", &[cfg.n_kv_head * hd, d])?,
-                    cfg.n_kv_head,
-                    hd,
+                wq: Proj::new(
+                    &unpermute_qk(&g("attn_q", &[q, d])?, cfg.n_head, hd, d),
+                    q,
                     d,
-                ),
-                wv: g("attn_v", &[cfg.n_kv_head * hd, d])?,
-                wo: g("attn_output", &[d, cfg.n_head * hd])?,
+                )?,
+                wk: Proj::new(
+                    &unpermute_qk(&g("attn_k", &[kv, d])?, cfg.n_kv_head, hd, d),
+                    kv,
+                    d,
+                )?,
+                wv: Proj::new(&g("attn_v", &[kv, d])?, kv, d)?,
+                wo: Proj::new(&g("attn_output", &[d, q])?, d, q)?,
                 ffn_norm: g("ffn_norm", &[d])?,
-                w_gate: g("ffn_gate", &[cfg.intermediate_size, d])?,
-                w_up: g("ffn_up", &[cfg.intermediate_size, d])?,
-                w_down: g("ffn_down", &[d, cfg.intermediate_size])?,
+                w_gate: Proj::new(&g("ffn_gate", &[ff, d])?, ff, d)?,
+                w_up: Proj::new(&g("ffn_up", &[ff, d])?, ff, d)?,
+                w_down: Proj::new(&g("ffn_down", &[d, ff])?, d, ff)?,
             });
         }
-        let lm_head = if h.tensors.iter().any(|t| t.name == "output.weight") {
-            Some(src.get("output.weight", &[cfg.vocab_size, d])?)
+        let tok_embd = src.get("token_embd.weight", &[cfg.vocab_size, d])?;
+        let tied = !h.tensors.iter().any(|t| t.name == "output.weight");
+        let lm_head = if tied {
+            Proj::new(&tok_embd, cfg.vocab_size, d)?
         } else {
-            None
+            Proj::new(
+                &src.get("output.weight", &[cfg.vocab_size, d])?,
+                cfg.vocab_size,
+                d,
+            )?
         };
         Ok(Llama {
-            tok_embd: src.get("token_embd.weight", &[cfg.vocab_size, d])?,
+            tok_embd,
             out_norm: src.get("output_norm.weight", &[d])?,
             lm_head,
+            tied,
             blocks,
             threads: rayon_threads(),
             cfg,
@@ -180,27 +239,31 @@ impl Llama {
         for i in 0..cfg.n_layer {
             let g =
                 |n: &str, shape: &[usize]| src.get(&format!("model.layers.{i}.{n}.weight"), shape);
+            let (q, kv, ff) = (cfg.n_head * hd, cfg.n_kv_head * hd, cfg.intermediate_size);
             blocks.push(LlamaBlock {
                 attn_norm: g("input_layernorm", &[d])?,
-                wq: g("self_attn.q_proj", &[cfg.n_head * hd, d])?,
-                wk: g("self_attn.k_proj", &[cfg.n_kv_head * hd, d])?,
-                wv: g("self_attn.v_proj", &[cfg.n_kv_head * hd, d])?,
-                wo: g("self_attn.o_proj", &[d, cfg.n_head * hd])?,
+                wq: Proj::new(&g("self_attn.q_proj", &[q, d])?, q, d)?,
+                wk: Proj::new(&g("self_attn.k_proj", &[kv, d])?, kv, d)?,
+                wv: Proj::new(&g("self_attn.v_proj", &[kv, d])?, kv, d)?,
+                wo: Proj::new(&g("self_attn.o_proj", &[d, q])?, d, q)?,
                 ffn_norm: g("post_attention_layernorm", &[d])?,
-                w_gate: g("mlp.gate_proj", &[cfg.intermediate_size, d])?,
-                w_up: g("mlp.up_proj", &[cfg.intermediate_size, d])?,
-                w_down: g("mlp.down_proj", &[d, cfg.intermediate_size])?,
+                w_gate: Proj::new(&g("mlp.gate_proj", &[ff, d])?, ff, d)?,
+                w_up: Proj::new(&g("mlp.up_proj", &[ff, d])?, ff, d)?,
+                w_down: Proj::new(&g("mlp.down_proj", &[d, ff])?, d, ff)?,
             });
         }
         let tied = c["tie_word_embeddings"].as_bool().unwrap_or(false) || !hf.has("lm_head.weight");
+        let tok_embd = src.get("model.embed_tokens.weight", &[cfg.vocab_size, d])?;
+        let head = if tied {
+            tok_embd.clone()
+        } else {
+            src.get("lm_head.weight", &[cfg.vocab_size, d])?
+        };
         Ok(Llama {
-            tok_embd: src.get("model.embed_tokens.weight", &[cfg.vocab_size, d])?,
+            lm_head: Proj::new(&head, cfg.vocab_size, d)?,
+            tied,
+            tok_embd,
             out_norm: src.get("model.norm.weight", &[d])?,
-            lm_head: if tied {
-                None
-            } else {
-                Some(src.get("lm_head.weight", &[cfg.vocab_size, d])?)
-            },
             blocks,
             threads: rayon_threads(),
             cfg,
@@ -210,16 +273,23 @@ impl Llama {
     /// Logits (batch, seq, vocab) for `ids` (batch x seq, row-major), every
     /// position attending causally to the ones before it.
     pub fn forward(&self, ids: &[u32], batch: usize, seq: usize) -> Result<Tensor, ModelError> {
+        self.forward_profiled(ids, batch, seq, &mut Profile::default())
+    }
+
+    /// [`Llama::forward`], adding the time spent in each kind of step to `prof`.
+    pub fn forward_profiled(
+        &self,
+        ids: &[u32],
+        batch: usize,
+        seq: usize,
+        prof: &mut Profile,
+    ) -> Result<Tensor, ModelError> {
         let c = &self.cfg;
         check_ids(ids, batch, seq, c.vocab_size, c.max_seq)?;
         let (d, hd, nh, nkv) = (c.hidden_size, c.head_dim, c.n_head, c.n_kv_head);
         let rows = batch * seq;
         let t = self.threads;
-        let lin = |x: &[f32], w: &[f32], out: usize| -> Result<Vec<f32>, ModelError> {
-            let mut y = vec![0.0f32; rows * out];
-            p02_matmul_bench::linear(x, rows, w, out, None, &mut y, t)?;
-            Ok(y)
-        };
+        let lin = |x: &[f32], w: &Proj| w.apply(x, rows, t);
 
         // 1. Token embeddings: x (batch*seq, hidden).
         let mut x = vec![0.0f32; rows * d];
@@ -232,28 +302,29 @@ impl Llama {
         for blk in &self.blocks {
             // 2. Attention sub-block: x += Wo . attn(RoPE(Wq h), RoPE(Wk h), Wv h), h = RMSNorm(x).
             let h = rms_norm(&x, d, &blk.attn_norm, c.rms_norm_eps);
-            let mut q = lin(&h, &blk.wq, nh * hd)?; // (rows, n_head * head_dim)
-            let mut k = lin(&h, &blk.wk, nkv * hd)?; // (rows, n_kv_head * head_dim)
-            let v = lin(&h, &blk.wv, nkv * hd)?; // (rows, n_kv_head * head_dim)
+            let mut q = lin(&h, &blk.wq)?; // (rows, n_head * head_dim)
+            let mut k = lin(&h, &blk.wk)?; // (rows, n_kv_head * head_dim)
+            let v = lin(&h, &blk.wv)?; // (rows, n_kv_head * head_dim)
             apply_rope(&mut q, batch, seq, nh, hd, &cos, &sin);
             apply_rope(&mut k, batch, seq, nkv, hd, &cos, &sin);
+            let t0 = std::time::Instant::now();
             let att = causal_attention(&q, &k, &v, batch, seq, nh, nkv, hd); // (rows, n_head * head_dim)
-            let o = lin(&att, &blk.wo, d)?;
+            prof.attention += t0.elapsed();
+            let o = lin(&att, &blk.wo)?;
             x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
 
             // 3. MLP sub-block (SwiGLU): x += W_down (silu(W_gate h) * W_up h), h = RMSNorm(x).
             let h = rms_norm(&x, d, &blk.ffn_norm, c.rms_norm_eps);
-            let mut g = lin(&h, &blk.w_gate, c.intermediate_size)?;
-            let u = lin(&h, &blk.w_up, c.intermediate_size)?;
+            let mut g = lin(&h, &blk.w_gate)?;
+            let u = lin(&h, &blk.w_up)?;
             g.iter_mut().zip(&u).for_each(|(g, u)| *g = silu(*g) * u);
-            let down = lin(&g, &blk.w_down, d)?;
+            let down = lin(&g, &blk.w_down)?;
             x.iter_mut().zip(&down).for_each(|(x, o)| *x += o);
         }
 
         // 4. Final norm and the output head (tied: the embedding matrix).
         let h = rms_norm(&x, d, &self.out_norm, c.rms_norm_eps);
-        let head = self.lm_head.as_deref().unwrap_or(&self.tok_embd);
-        let logits = lin(&h, head, c.vocab_size)?;
+        let logits = lin(&h, &self.lm_head)?;
         Ok(Tensor::new(vec![batch, seq, c.vocab_size], logits).expect("sized from its shape"))
     }
 }
@@ -398,7 +469,7 @@ pub fn causal_attention(
                 let mut max = f32::NEG_INFINITY;
                 for (s, sc) in scores.iter_mut().enumerate().take(t + 1) {
                     let ks = &k[((b * seq + s) * nkv + kvh) * hd..][..hd];
-                    *sc = qt.iter().zip(ks).map(|(a, b)| a * b).sum::<f32>() * scale;
+                    *sc = p02_matmul_bench::variants::dot(qt, ks) * scale;
                     max = max.max(*sc);
                 }
                 let mut sum = 0.0f32;

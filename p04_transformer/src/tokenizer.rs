@@ -119,7 +119,7 @@ impl Tokenizer {
             .filter(|((t, &ty), _)| (ty == 3 || ty == 4) && !t.is_empty())
             .map(|((t, _), id)| (t.clone(), id))
             .collect();
-        specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()));
+        specials.sort_by_key(|s| std::cmp::Reverse(s.0.len()));
         let byte_char = bytes_to_unicode();
         let char_byte = byte_char
             .iter()

@@ -1,0 +1,98 @@
+//! Any supported model behind one type: a GGUF file (Llama family) or a
+//! Hugging Face directory (`model_type` llama or gpt2).
+
+use std::path::Path;
+
+use common::Tensor;
+
+use crate::error::ModelError;
+use crate::gpt2::Gpt2;
+use crate::llama::Llama;
+use crate::model_file::GgufFile;
+use crate::tokenizer::Tokenizer;
+
+#[derive(Debug)]
+pub enum Model {
+    Llama(Llama),
+    Gpt2(Gpt2),
+}
+
+/// A model with its tokenizer (when the files carry one we can read).
+#[derive(Debug)]
+pub struct Loaded {
+    pub model: Model,
+    pub tokenizer: Option<Tokenizer>,
+}
+
+impl Model {
+    /// Load a `.gguf` file or an HF directory.
+    pub fn load(path: &Path) -> Result<Loaded, ModelError> {
+        if path.is_dir() {
+            let cfg_path = path.join("config.json");
+            let text = std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::Config {
+                path: cfg_path.clone(),
+                msg: format!("cannot read: {e}"),
+            })?;
+            let cfg: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| ModelError::Config {
+                    path: cfg_path.clone(),
+                    msg: format!("invalid JSON: {e}"),
+                })?;
+            let model = match cfg["model_type"].as_str() {
+                Some("llama") => Model::Llama(Llama::from_hf_dir(path)?),
+                Some("gpt2") => Model::Gpt2(Gpt2::from_hf_dir(path)?),
+                other => {
+                    return Err(ModelError::Arch {
+                        path: cfg_path,
+                        found: other.unwrap_or("(none)").to_string(),
+                        supported: "llama, gpt2",
+                    })
+                }
+            };
+            // tokenizer.json is not read yet (issue 4): ids only for HF directories.
+            Ok(Loaded {
+                model,
+                tokenizer: None,
+            })
+        } else {
+            let f = GgufFile::open(path)?;
+            let model = Model::Llama(Llama::from_gguf(&f)?);
+            let tokenizer = Some(Tokenizer::from_gguf(&f.header)?);
+            Ok(Loaded { model, tokenizer })
+        }
+    }
+
+    pub fn forward(&self, ids: &[u32], batch: usize, seq: usize) -> Result<Tensor, ModelError> {
+        match self {
+            Model::Llama(m) => m.forward(ids, batch, seq),
+            Model::Gpt2(m) => m.forward(ids, batch, seq),
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Model::Llama(m) => m.cfg.vocab_size,
+            Model::Gpt2(m) => m.cfg.vocab_size,
+        }
+    }
+
+    pub fn context(&self) -> usize {
+        match self {
+            Model::Llama(m) => m.cfg.max_seq,
+            Model::Gpt2(m) => m.cfg.n_positions,
+        }
+    }
+}
+
+/// Index of the largest logit in the last position of a (1, seq, vocab) output.
+pub fn argmax_last(logits: &Tensor) -> u32 {
+    let v = *logits.shape().last().unwrap_or(&1);
+    let last = &logits.data()[logits.numel() - v..];
+    let mut best = 0;
+    for (i, &x) in last.iter().enumerate() {
+        if x > last[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
