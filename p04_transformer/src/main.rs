@@ -72,7 +72,7 @@ fn main() -> Result<()> {
         Cmd::Generate { prompt, n, chat } => {
             let Some(tok) = tokenizer else {
                 bail!(
-                    "{} has no tokenizer this loader reads yet (GGUF only)",
+                    "{} has no tokenizer (a GGUF file, or tokenizer.json beside config.json)",
                     path.display()
                 )
             };

@@ -49,11 +49,13 @@ impl Model {
                     })
                 }
             };
-            // tokenizer.json is not read yet (issue 4): ids only for HF directories.
-            Ok(Loaded {
-                model,
-                tokenizer: None,
-            })
+            let tok_path = path.join("tokenizer.json");
+            let tokenizer = if tok_path.exists() {
+                Some(Tokenizer::from_tokenizer_json(&tok_path)?)
+            } else {
+                None
+            };
+            Ok(Loaded { model, tokenizer })
         } else {
             let f = GgufFile::open(path)?;
             let model = Model::Llama(Llama::from_gguf(&f)?);

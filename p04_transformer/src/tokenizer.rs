@@ -1,4 +1,4 @@
-//! Byte-level BPE (GPT-2 style), built from GGUF metadata.
+//! Byte-level BPE (GPT-2 style), built from GGUF metadata or an HF `tokenizer.json`.
 //!
 //! encode: split out special (control) tokens literally; pre-tokenize the rest
 //! with GPT-2's pattern; map each piece's bytes to printable characters
@@ -7,6 +7,7 @@
 //! decode: concatenate token strings and map the characters back to bytes.
 
 use std::collections::HashMap;
+use std::path::Path;
 
 use regex::Regex;
 
@@ -102,22 +103,142 @@ impl Tokenizer {
                 tokens.len()
             )));
         }
-        let n = u32::try_from(tokens.len()).map_err(|_| cfg("more than 2^32 tokens".into()))?;
-        let ids: HashMap<String, u32> = tokens.iter().cloned().zip(0..n).collect();
-        let mut merges = HashMap::with_capacity(merge_lines.len());
+        let mut merges = Vec::with_capacity(merge_lines.len());
         for (rank, line) in merge_lines.iter().enumerate() {
             let (a, b) = line
                 .split_once(' ')
                 .ok_or_else(|| cfg(format!("merge {rank} `{line}` is not `left right`")))?;
-            merges.entry((a.to_string(), b.to_string())).or_insert(rank);
+            merges.push((a.to_string(), b.to_string()));
         }
         // 3 = control, 4 = user-defined: matched literally, never split.
-        let mut specials: Vec<(String, u32)> = tokens
+        let specials: Vec<u32> = (0..tokens.len())
+            .filter(|&i| types[i] == 3 || types[i] == 4)
+            .map(|i| i as u32)
+            .collect();
+        let id_of = |key: &str| h.get_u64(key).ok().and_then(|v| u32::try_from(v).ok());
+        Tokenizer::build(
+            tokens,
+            merges,
+            &specials,
+            id_of("tokenizer.ggml.bos_token_id"),
+            id_of("tokenizer.ggml.eos_token_id"),
+        )
+        .map_err(|msg| cfg(msg))
+    }
+
+    /// Build from a Hugging Face `tokenizer.json` (model BPE, ByteLevel
+    /// pre-tokenizer without a prefix space); BOS/EOS are not defined there.
+    pub fn from_tokenizer_json(path: &Path) -> Result<Tokenizer, ModelError> {
+        let cfg = |msg: String| ModelError::Config {
+            path: path.to_path_buf(),
+            msg,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| cfg(format!("cannot read: {e}")))?;
+        let j: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| cfg(format!("invalid JSON: {e}")))?;
+        let model = &j["model"];
+        if model["type"] != "BPE" {
+            return Err(cfg(format!(
+                "model.type is {}, supported: BPE",
+                model["type"]
+            )));
+        }
+        let pre = &j["pre_tokenizer"];
+        if pre["type"] != "ByteLevel" || pre["add_prefix_space"] == true {
+            return Err(cfg(format!(
+                "pre_tokenizer {pre} is not supported (ByteLevel without add_prefix_space)"
+            )));
+        }
+        let vocab = model["vocab"]
+            .as_object()
+            .ok_or_else(|| cfg("model.vocab must be an object".into()))?;
+        let added = j["added_tokens"].as_array().cloned().unwrap_or_default();
+        let mut by_id: Vec<(u32, String)> = Vec::with_capacity(vocab.len() + added.len());
+        for (t, id) in vocab {
+            let id = id
+                .as_u64()
+                .and_then(|v| u32::try_from(v).ok())
+                .ok_or_else(|| cfg(format!("vocab id of `{t}` is {id}")))?;
+            by_id.push((id, t.clone()));
+        }
+        let mut specials = Vec::new();
+        for a in &added {
+            let (Some(id), Some(t)) = (
+                a["id"].as_u64().and_then(|v| u32::try_from(v).ok()),
+                a["content"].as_str(),
+            ) else {
+                return Err(cfg(format!("added token {a} needs an id and content")));
+            };
+            by_id.push((id, t.to_string()));
+            specials.push(id);
+        }
+        let n = by_id
             .iter()
-            .zip(&types)
+            .map(|(id, _)| *id as usize + 1)
+            .max()
+            .unwrap_or(0);
+        if n > 1 << 24 {
+            return Err(cfg(format!("token id {} is beyond the 2^24 cap", n - 1)));
+        }
+        let mut tokens = vec![String::new(); n];
+        for (id, t) in by_id {
+            tokens[id as usize] = t;
+        }
+        let merges = model["merges"]
+            .as_array()
+            .ok_or_else(|| cfg("model.merges must be an array".into()))?
+            .iter()
+            .enumerate()
+            .map(|(rank, m)| {
+                match m {
+                    // "left right" (older files) or ["left", "right"] (tokenizers >= 0.20)
+                    serde_json::Value::String(line) => line
+                        .split_once(' ')
+                        .map(|(a, b)| (a.to_string(), b.to_string())),
+                    serde_json::Value::Array(p) if p.len() == 2 => p[0]
+                        .as_str()
+                        .zip(p[1].as_str())
+                        .map(|(a, b)| (a.to_string(), b.to_string())),
+                    _ => None,
+                }
+                .ok_or_else(|| {
+                    cfg(format!(
+                        "merge {rank} is {m}, expected \"left right\" or [left, right]"
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Tokenizer::build(tokens, merges, &specials, None, None).map_err(|msg| cfg(msg))
+    }
+
+    /// Assemble from id-indexed token strings, ranked merges and the ids of
+    /// tokens to match literally.
+    fn build(
+        tokens: Vec<String>,
+        merge_list: Vec<(String, String)>,
+        special_ids: &[u32],
+        bos: Option<u32>,
+        eos: Option<u32>,
+    ) -> Result<Tokenizer, String> {
+        let n = u32::try_from(tokens.len()).map_err(|_| "more than 2^32 tokens".to_string())?;
+        let ids: HashMap<String, u32> = tokens
+            .iter()
+            .cloned()
             .zip(0..n)
-            .filter(|((t, &ty), _)| (ty == 3 || ty == 4) && !t.is_empty())
-            .map(|((t, _), id)| (t.clone(), id))
+            .filter(|(t, _)| !t.is_empty())
+            .collect();
+        let mut merges = HashMap::with_capacity(merge_list.len());
+        for (rank, pair) in merge_list.into_iter().enumerate() {
+            merges.entry(pair).or_insert(rank);
+        }
+        let mut specials: Vec<(String, u32)> = special_ids
+            .iter()
+            .filter_map(|&id| {
+                tokens
+                    .get(id as usize)
+                    .filter(|t| !t.is_empty())
+                    .map(|t| (t.clone(), id))
+            })
             .collect();
         specials.sort_by_key(|s| std::cmp::Reverse(s.0.len()));
         let byte_char = bytes_to_unicode();
@@ -126,12 +247,6 @@ impl Tokenizer {
             .enumerate()
             .map(|(b, &c)| (c, b as u8))
             .collect();
-        let id_of = |key: &str| {
-            h.get_u64(key)
-                .ok()
-                .and_then(|v| u32::try_from(v).ok())
-                .filter(|&v| v < n)
-        };
         Ok(Tokenizer {
             tokens,
             ids,
@@ -140,8 +255,8 @@ impl Tokenizer {
             byte_char,
             char_byte,
             pattern: Regex::new(GPT2_PATTERN).expect("constant pattern"),
-            bos_id: id_of("tokenizer.ggml.bos_token_id"),
-            eos_id: id_of("tokenizer.ggml.eos_token_id"),
+            bos_id: bos.filter(|&v| v < n),
+            eos_id: eos.filter(|&v| v < n),
         })
     }
 

@@ -110,3 +110,40 @@ fn clean_up(s: &str) -> String {
     .iter()
     .fold(s.to_string(), |acc, (from, to)| acc.replace(from, to))
 }
+
+#[test]
+fn tokenizer_json_from_hf_tokenizers_matches_transformers() {
+    let dir = p04_transformer::fixtures_dir().join("tiny_bpe");
+    let tok = Tokenizer::from_tokenizer_json(&dir.join("tokenizer.json")).unwrap();
+    let corpus: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer_corpus.json")).unwrap())
+            .unwrap();
+    let cases = corpus["cases"].as_array().unwrap();
+    assert!(cases.len() >= 10);
+    for c in cases {
+        let s = c["text"].as_str().unwrap();
+        let want: Vec<u32> = c["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(tok.encode(s), want, "{s:?}");
+        assert_eq!(tok.decode(&want), s);
+    }
+    // A config this loader does not handle is a clear error, not a wrong tokenizer.
+    let tmp = std::env::temp_dir().join(format!("p04-tok-{}.json", std::process::id()));
+    let mut j: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap())
+            .unwrap();
+    j["pre_tokenizer"]["add_prefix_space"] = Value::Bool(true);
+    std::fs::write(&tmp, j.to_string()).unwrap();
+    let e = Tokenizer::from_tokenizer_json(&tmp)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("pre_tokenizer") && e.contains("not supported"),
+        "{e}"
+    );
+    std::fs::remove_file(&tmp).ok();
+}
