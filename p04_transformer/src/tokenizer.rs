@@ -123,7 +123,7 @@ impl Tokenizer {
             id_of("tokenizer.ggml.bos_token_id"),
             id_of("tokenizer.ggml.eos_token_id"),
         )
-        .map_err(|msg| cfg(msg))
+        .map_err(cfg)
     }
 
     /// Build from a Hugging Face `tokenizer.json` (model BPE, ByteLevel
@@ -208,7 +208,7 @@ impl Tokenizer {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        Tokenizer::build(tokens, merges, &specials, None, None).map_err(|msg| cfg(msg))
+        Tokenizer::build(tokens, merges, &specials, None, None).map_err(cfg)
     }
 
     /// Assemble from id-indexed token strings, ranked merges and the ids of
