@@ -15,5 +15,6 @@ pub mod plot;
 pub mod st;
 pub mod stats;
 pub mod tensor;
+pub mod testdata;
 
 pub use tensor::{Tensor, TensorError};

@@ -72,19 +72,6 @@ fn every_op_case_matches_pytorch() {
     assert_eq!(seen.into_iter().collect::<Vec<_>>(), all);
 }
 
-/// Deterministic pseudo-random values in [-1, 1) (xorshift), no dependency.
-fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
 #[test]
 fn fast_linear_matches_naive_on_awkward_shapes() {
     let rows_set = [0, 1, 2, MR - 1, MR, MR + 1, 13, 4 * MR - 1, 4 * MR, 97];
@@ -96,9 +83,9 @@ fn fast_linear_matches_naive_on_awkward_shapes() {
         for &in_f in &in_set {
             for &out_f in &out_set {
                 let seed = (rows * 1_000_003 + in_f * 1009 + out_f) as u64;
-                let x = rand_vec(rows * in_f, seed);
-                let w = rand_vec(out_f * in_f, seed + 1);
-                let b = rand_vec(out_f, seed + 2);
+                let x = common::testdata::uniform(rows * in_f, seed);
+                let w = common::testdata::uniform(out_f * in_f, seed + 1);
+                let b = common::testdata::uniform(out_f, seed + 2);
                 let lin = Linear::new(&w, Some(&b), out_f, in_f);
                 let mut expected = linear_ref(&x, rows, &w, Some(&b), out_f);
                 for &kernel in &kernels {
@@ -139,8 +126,8 @@ fn threaded_paths_are_exercised_and_agree() {
         (37, 784, 256),
     ] {
         assert!(rows * in_f * out_f >= p01_engine::linear::PAR_MIN_MACS);
-        let x = rand_vec(rows * in_f, 7 + rows as u64);
-        let w = rand_vec(out_f * in_f, 8 + in_f as u64);
+        let x = common::testdata::uniform(rows * in_f, 7 + rows as u64);
+        let w = common::testdata::uniform(out_f * in_f, 8 + in_f as u64);
         let lin = Linear::new(&w, None, out_f, in_f);
         let mut y1 = vec![0.0; rows * out_f];
         let mut y2 = vec![1.0; rows * out_f];

@@ -530,6 +530,26 @@ pub fn sgemm(a: MatRef, b: MatRef, c: &mut MatMut, opts: GemmOpts) -> Result<(),
     sgemm_with(a, b, c, opts, MicroKernel::best())
 }
 
+/// A (M, K) x B (K, N) -> C (M, N), and a bias of length N.
+fn check_args(
+    a: &MatRef,
+    (k, n): (usize, usize),
+    c: &MatMut,
+    bias: Option<&[f32]>,
+) -> Result<(), GemmError> {
+    if a.cols != k || c.rows != a.rows || c.cols != n {
+        return Err(GemmError::Shape {
+            a: (a.rows, a.cols),
+            b: (k, n),
+            c: (c.rows, c.cols),
+        });
+    }
+    match bias {
+        Some(b) if b.len() != n => Err(GemmError::Bias { len: b.len(), n }),
+        _ => Ok(()),
+    }
+}
+
 /// [`sgemm`] with a chosen micro-kernel (falls back to the best one if `kernel`
 /// is not supported here).
 pub fn sgemm_with(
@@ -539,21 +559,7 @@ pub fn sgemm_with(
     opts: GemmOpts,
     kernel: MicroKernel,
 ) -> Result<(), GemmError> {
-    if a.cols != b.rows || c.rows != a.rows || c.cols != b.cols {
-        return Err(GemmError::Shape {
-            a: (a.rows, a.cols),
-            b: (b.rows, b.cols),
-            c: (c.rows, c.cols),
-        });
-    }
-    if let Some(bias) = opts.bias {
-        if bias.len() != b.cols {
-            return Err(GemmError::Bias {
-                len: bias.len(),
-                n: b.cols,
-            });
-        }
-    }
+    check_args(&a, (b.rows, b.cols), c, opts.bias)?;
     let kernel = if kernel.supported() {
         kernel
     } else {
@@ -576,21 +582,7 @@ pub fn sgemm_prepacked(
     c: &mut MatMut,
     opts: GemmOpts,
 ) -> Result<(), GemmError> {
-    if a.cols != b.k || c.rows != a.rows || c.cols != b.n {
-        return Err(GemmError::Shape {
-            a: (a.rows, a.cols),
-            b: (b.k, b.n),
-            c: (c.rows, c.cols),
-        });
-    }
-    if let Some(bias) = opts.bias {
-        if bias.len() != b.n {
-            return Err(GemmError::Bias {
-                len: bias.len(),
-                n: b.n,
-            });
-        }
-    }
+    check_args(&a, (b.k, b.n), c, opts.bias)?;
     gemm_dispatch(
         opts.alpha,
         &a,

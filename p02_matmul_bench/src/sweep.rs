@@ -76,18 +76,6 @@ fn median_s(flops: f64, f: impl FnMut()) -> f64 {
     time_it(cfg, f).median
 }
 
-fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-        })
-        .collect()
-}
-
 /// Largest N each slow variant is run at (they would take minutes beyond).
 fn cap(name: &str) -> usize {
     match name {
@@ -102,8 +90,8 @@ fn square_sweep(sizes: &[usize], threads: usize) -> Vec<Point> {
     let kernel = MicroKernel::best();
     let mut pts = Vec::new();
     for &n in sizes {
-        let a = rand_vec(n * n, 1);
-        let b = rand_vec(n * n, 2);
+        let a = common::testdata::uniform(n * n, 1);
+        let b = common::testdata::uniform(n * n, 2);
         let mut c = vec![0.0f32; n * n];
         let flops = 2.0 * (n as f64).powi(3);
         let av = MatRef::row_major(&a, n, n).expect("sized");
@@ -174,9 +162,9 @@ fn square_sweep(sizes: &[usize], threads: usize) -> Vec<Point> {
 fn transformer_shapes(threads: usize) -> Vec<(String, usize, usize, usize, usize, f64)> {
     let mut out = Vec::new();
     for (name, k, n) in SMOLLM2_LINEARS {
-        let w = rand_vec(n * k, 3);
+        let w = common::testdata::uniform(n * k, 3);
         for m in [1usize, 256] {
-            let x = rand_vec(m * k, 4);
+            let x = common::testdata::uniform(m * k, 4);
             let mut y = vec![0.0f32; m * n];
             for t in [1, threads] {
                 let flops = 2.0 * (m * k * n) as f64;

@@ -8,18 +8,6 @@ use p02_matmul_bench::reference::{error_bound, gemm_ref};
 use p02_matmul_bench::variants::{b_transposed, blocked, ikj, naive_ijk};
 use p02_matmul_bench::{sgemm_with, GemmError, GemmOpts, MatMut, MatRef, MicroKernel};
 
-fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
 /// Operand storage: how a logical (rows, cols) matrix is laid out in memory.
 #[derive(Clone, Copy, Debug)]
 enum Layout {
@@ -111,8 +99,8 @@ fn variants_match_reference() {
             (Layout::Transposed, Layout::Transposed),
             (Layout::Padded, Layout::Transposed),
         ] {
-            let av = rand_vec(m * k, (m * 31 + k) as u64);
-            let bv = rand_vec(k * n, (n * 17 + k + 1) as u64);
+            let av = common::testdata::uniform(m * k, (m * 31 + k) as u64);
+            let bv = common::testdata::uniform(k * n, (n * 17 + k + 1) as u64);
             let (ab, ars, acs) = store(&av, m, k, la);
             let (bb, brs, bcs) = store(&bv, k, n, lb);
             let a = MatRef::new(&ab, m, k, ars, acs).unwrap();
@@ -158,10 +146,10 @@ fn packed_kernels_and_threads_match_reference() {
             (Layout::Transposed, Layout::Transposed),
             (Layout::Padded, Layout::Padded),
         ] {
-            let av = rand_vec(m * k, (m * 7 + k) as u64);
-            let bv = rand_vec(k * n, (n * 5 + k + 3) as u64);
-            let c0 = rand_vec(m * (n + 2), 99);
-            let bias = rand_vec(n, 5);
+            let av = common::testdata::uniform(m * k, (m * 7 + k) as u64);
+            let bv = common::testdata::uniform(k * n, (n * 5 + k + 3) as u64);
+            let c0 = common::testdata::uniform(m * (n + 2), 99);
+            let bias = common::testdata::uniform(n, 5);
             let (ab, ars, acs) = store(&av, m, k, la);
             let (bb, brs, bcs) = store(&bv, k, n, lb);
             let a = MatRef::new(&ab, m, k, ars, acs).unwrap();
@@ -231,8 +219,8 @@ fn gemv_path_matches_reference_in_both_layouts() {
         (1536, 576),
         (3000, 700),
     ] {
-        let x = rand_vec(k, k as u64);
-        let w = rand_vec(n * k, (n + k) as u64);
+        let x = common::testdata::uniform(k, k as u64);
+        let w = common::testdata::uniform(n * k, (n + k) as u64);
         for transposed in [true, false] {
             let a = MatRef::row_major(&x, 1, k).unwrap();
             // transposed: W (n, k) seen as (k, n); else B (k, n) row-major with the same values.
@@ -319,9 +307,9 @@ fn prepacked_b_matches_reference() {
     let mut shapes = SHAPES.to_vec();
     shapes.extend([(200, 150, 300), (3, 1000, 1500), (40, 5000, 600)]);
     for &(m, n, k) in &shapes {
-        let av = rand_vec(m * k, (m + 3 * k) as u64);
-        let w = rand_vec(n * k, (n + k) as u64); // W (n, k): B = W^T
-        let bias = rand_vec(n, 11);
+        let av = common::testdata::uniform(m * k, (m + 3 * k) as u64);
+        let w = common::testdata::uniform(n * k, (n + k) as u64); // W (n, k): B = W^T
+        let bias = common::testdata::uniform(n, 11);
         let a = MatRef::row_major(&av, m, k).unwrap();
         let b = MatRef::row_major(&w, n, k).unwrap().t();
         let mut ref_c = vec![7.0; m * (n + 2)];

@@ -153,15 +153,23 @@ fn mis_shaped_tensor_and_unknown_architecture_are_named() {
     let dir = std::env::temp_dir().join(format!("p04-badcfg-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
-    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
     cfg["intermediate_size"] = serde_json::json!(65);
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     let e = Llama::from_hf_dir(&dir).unwrap_err().to_string();
-    assert!(e.contains("model.layers.0.mlp.gate_proj.weight") && e.contains("[64, 32]") && e.contains("[65, 32]"), "{e}");
+    assert!(
+        e.contains("model.layers.0.mlp.gate_proj.weight")
+            && e.contains("[64, 32]")
+            && e.contains("[65, 32]"),
+        "{e}"
+    );
     cfg["intermediate_size"] = serde_json::json!(64);
     cfg["model_type"] = serde_json::json!("mamba");
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
-    let e = p04_transformer::model::Model::load(&dir).unwrap_err().to_string();
+    let e = p04_transformer::model::Model::load(&dir)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("`mamba`") && e.contains("llama, gpt2"), "{e}");
     std::fs::remove_dir_all(&dir).ok();
 }
