@@ -10,6 +10,7 @@
 
 pub mod assets;
 pub mod compare;
+pub mod model;
 pub mod numbers;
 pub mod plot;
 pub mod st;
@@ -17,4 +18,5 @@ pub mod stats;
 pub mod tensor;
 pub mod testdata;
 
+pub use model::{Model, ModelInfo};
 pub use tensor::{Tensor, TensorError};

@@ -48,22 +48,39 @@ impl Proj {
         self.packed.cols()
     }
 
+    pub fn in_features(&self) -> usize {
+        self.packed.rows()
+    }
+
     /// x (rows, in) -> (rows, out).
     pub fn apply(&self, x: &[f32], rows: usize, threads: usize) -> Result<Vec<f32>, ModelError> {
+        let mut y = vec![0.0f32; rows * self.out_features()];
+        self.apply_into(x, rows, &mut y, threads)?;
+        Ok(y)
+    }
+
+    /// x (rows, in) -> y (rows, out), into a caller-owned buffer (no allocation
+    /// once p02's packing buffers are warm, on one thread).
+    pub fn apply_into(
+        &self,
+        x: &[f32],
+        rows: usize,
+        y: &mut [f32],
+        threads: usize,
+    ) -> Result<(), ModelError> {
         use p02_matmul_bench::{sgemm_prepacked, GemmOpts, MatMut, MatRef};
         let (k, n) = (self.packed.rows(), self.packed.cols());
-        let mut y = vec![0.0f32; rows * n];
         let a = MatRef::row_major(x, rows, k)?;
         sgemm_prepacked(
             a,
             &self.packed,
-            &mut MatMut::row_major(&mut y, rows, n)?,
+            &mut MatMut::row_major(y, rows, n)?,
             GemmOpts {
                 threads,
                 ..GemmOpts::default()
             },
         )?;
-        Ok(y)
+        Ok(())
     }
 }
 
@@ -383,6 +400,12 @@ pub fn check_ids(
 /// RMSNorm over each row: x / sqrt(mean(x^2) + eps) * w.
 pub fn rms_norm(x: &[f32], d: usize, w: &[f32], eps: f32) -> Vec<f32> {
     let mut y = vec![0.0f32; x.len()];
+    rms_norm_into(x, d, w, eps, &mut y);
+    y
+}
+
+/// [`rms_norm`] into a caller-owned buffer of the same length as `x`.
+pub fn rms_norm_into(x: &[f32], d: usize, w: &[f32], eps: f32, y: &mut [f32]) {
     for (xr, yr) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
         let ms = xr.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / d as f64;
         let inv = (1.0 / (ms + f64::from(eps)).sqrt()) as f32;
@@ -390,7 +413,6 @@ pub fn rms_norm(x: &[f32], d: usize, w: &[f32], eps: f32) -> Vec<f32> {
             *y = w * (x * inv);
         }
     }
-    y
 }
 
 pub fn silu(x: f32) -> f32 {
@@ -443,6 +465,41 @@ pub fn apply_rope(
     }
 }
 
+/// One query row against keys and values 0..n (key s at `k[s*stride..]`,
+/// value s at `v[s*stride..]`): out = sum_s softmax_s(q.k_s * scale) v_s.
+/// Shared by the full-sequence pass and the KV-cache decode (Project 05), so
+/// both do the same arithmetic in the same order.
+#[allow(clippy::too_many_arguments)]
+pub fn attend(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    stride: usize,
+    n: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    let hd = q.len();
+    let mut max = f32::NEG_INFINITY;
+    for (s, sc) in scores[..n].iter_mut().enumerate() {
+        *sc = p02_matmul_bench::variants::dot(q, &k[s * stride..s * stride + hd]) * scale;
+        max = max.max(*sc);
+    }
+    let mut sum = 0.0f32;
+    for sc in &mut scores[..n] {
+        *sc = (*sc - max).exp();
+        sum += *sc;
+    }
+    out.fill(0.0);
+    for (s, &p) in scores[..n].iter().enumerate() {
+        let w = p / sum;
+        for (o, &vv) in out.iter_mut().zip(&v[s * stride..s * stride + hd]) {
+            *o += w * vv;
+        }
+    }
+}
+
 /// softmax(q k^T / sqrt(head_dim) + causal mask) v, per batch and query head;
 /// query head h reads KV head h / (n_head / n_kv_head) (grouped-query attention).
 #[allow(clippy::too_many_arguments)]
@@ -463,28 +520,22 @@ pub fn causal_attention(
     for b in 0..batch {
         for h in 0..nh {
             let kvh = h / group;
+            // Key/value s of this sequence and KV head: row (b*seq + s), column block kvh.
+            let kv0 = (b * seq * nkv + kvh) * hd;
             for t in 0..seq {
                 let qt = &q[((b * seq + t) * nh + h) * hd..][..hd];
-                // scores over positions 0..=t (the mask hides the future)
-                let mut max = f32::NEG_INFINITY;
-                for (s, sc) in scores.iter_mut().enumerate().take(t + 1) {
-                    let ks = &k[((b * seq + s) * nkv + kvh) * hd..][..hd];
-                    *sc = p02_matmul_bench::variants::dot(qt, ks) * scale;
-                    max = max.max(*sc);
-                }
-                let mut sum = 0.0f32;
-                for sc in &mut scores[..=t] {
-                    *sc = (*sc - max).exp();
-                    sum += *sc;
-                }
                 let o = &mut out[((b * seq + t) * nh + h) * hd..][..hd];
-                for (s, &p) in scores[..=t].iter().enumerate() {
-                    let vs = &v[((b * seq + s) * nkv + kvh) * hd..][..hd];
-                    let w = p / sum;
-                    for (o, &vv) in o.iter_mut().zip(vs) {
-                        *o += w * vv;
-                    }
-                }
+                // Query t sees keys 0..=t (the causal mask hides the future).
+                attend(
+                    qt,
+                    &k[kv0..],
+                    &v[kv0..],
+                    nkv * hd,
+                    t + 1,
+                    scale,
+                    &mut scores,
+                    o,
+                );
             }
         }
     }

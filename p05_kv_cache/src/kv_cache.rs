@@ -1,0 +1,120 @@
+//! A contiguous KV cache, allocated once per sequence for its maximum length.
+//!
+//! Per layer, K and V are (n_kv_head, max_seq, head_dim): one KV head's keys
+//! are contiguous, which is what a query head of its group reads at decode.
+//! Grouped-query attention stores n_kv_head heads, not n_head.
+
+use thiserror::Error;
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum CacheError {
+    #[error("KV cache is full: {len} of {max_seq} positions used, {adding} more requested")]
+    Full {
+        len: usize,
+        max_seq: usize,
+        adding: usize,
+    },
+}
+
+#[derive(Debug)]
+pub struct KvCache {
+    pub n_layer: usize,
+    pub n_kv_head: usize,
+    pub head_dim: usize,
+    pub max_seq: usize,
+    /// Positions filled so far.
+    pub len: usize,
+    /// Per layer: (n_kv_head, max_seq, head_dim).
+    pub k: Vec<Vec<f32>>,
+    /// Per layer: (n_kv_head, max_seq, head_dim).
+    pub v: Vec<Vec<f32>>,
+}
+
+impl KvCache {
+    pub fn new(n_layer: usize, n_kv_head: usize, head_dim: usize, max_seq: usize) -> KvCache {
+        let per = n_kv_head * max_seq * head_dim;
+        KvCache {
+            n_layer,
+            n_kv_head,
+            head_dim,
+            max_seq,
+            len: 0,
+            k: (0..n_layer).map(|_| vec![0.0; per]).collect(),
+            v: (0..n_layer).map(|_| vec![0.0; per]).collect(),
+        }
+    }
+
+    /// 2 x layers x kv_heads x head_dim x max_seq x 4 bytes.
+    pub fn formula_bytes(
+        n_layer: usize,
+        n_kv_head: usize,
+        head_dim: usize,
+        max_seq: usize,
+    ) -> usize {
+        2 * n_layer * n_kv_head * head_dim * max_seq * 4
+    }
+
+    /// Bytes actually held by the K and V buffers.
+    pub fn allocated_bytes(&self) -> usize {
+        self.k.iter().chain(&self.v).map(|b| b.capacity() * 4).sum()
+    }
+
+    /// Error unless `adding` more positions fit.
+    pub fn check_room(&self, adding: usize) -> Result<(), CacheError> {
+        if self.len + adding > self.max_seq {
+            return Err(CacheError::Full {
+                len: self.len,
+                max_seq: self.max_seq,
+                adding,
+            });
+        }
+        Ok(())
+    }
+
+    /// Store K and V rows (n, n_kv_head * head_dim) of `layer` at positions len..len+n.
+    pub fn write(&mut self, layer: usize, k_rows: &[f32], v_rows: &[f32], n: usize) {
+        let (hd, w) = (self.head_dim, self.n_kv_head * self.head_dim);
+        for i in 0..n {
+            let pos = self.len + i;
+            for h in 0..self.n_kv_head {
+                let dst = (h * self.max_seq + pos) * hd;
+                self.k[layer][dst..dst + hd].copy_from_slice(&k_rows[i * w + h * hd..][..hd]);
+                self.v[layer][dst..dst + hd].copy_from_slice(&v_rows[i * w + h * hd..][..hd]);
+            }
+        }
+    }
+
+    /// Keys (then values) of one layer and KV head: (max_seq, head_dim), rows 0..len valid.
+    pub fn head(&self, layer: usize, kv_head: usize) -> (&[f32], &[f32]) {
+        let n = self.max_seq * self.head_dim;
+        (
+            &self.k[layer][kv_head * n..(kv_head + 1) * n],
+            &self.v[layer][kv_head * n..(kv_head + 1) * n],
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formula_matches_allocation_and_full_is_an_error() {
+        let c = KvCache::new(30, 3, 64, 2048);
+        assert_eq!(c.allocated_bytes(), KvCache::formula_bytes(30, 3, 64, 2048));
+        assert_eq!(KvCache::formula_bytes(30, 3, 64, 2048), 94_371_840);
+        let mut c = KvCache::new(1, 1, 2, 3);
+        c.write(0, &[1.0, 2.0, 3.0, 4.0], &[5.0, 6.0, 7.0, 8.0], 2);
+        c.len = 2;
+        assert_eq!(&c.head(0, 0).0[..4], &[1.0, 2.0, 3.0, 4.0]);
+        assert!(c.check_room(1).is_ok());
+        assert_eq!(
+            c.check_room(2),
+            Err(CacheError::Full {
+                len: 2,
+                max_seq: 3,
+                adding: 2
+            })
+        );
+    }
+}
