@@ -449,6 +449,9 @@ unsafe fn macro_kernel(
             if rows == mr && cols == nr {
                 // SAFETY: a full tile: mr rows of nr floats at stride ldc.
                 unsafe { (kernel.func)(kc, ap, rsa, csa, bp.as_ptr(), ct, ldc, alpha, beta) };
+            } else if rows == 1 && cols == nr {
+                // SAFETY: one row of nr floats; the 1-row kernel reads only row 0 of the sliver.
+                unsafe { (kernel.func1)(kc, ap, rsa, csa, bp.as_ptr(), ct, ldc, alpha, beta) };
             } else {
                 // SAFETY: tmp holds a full mr x nr tile at stride nr.
                 unsafe {

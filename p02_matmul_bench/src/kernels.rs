@@ -38,6 +38,9 @@ pub struct MicroKernel {
     /// N block: a packed B panel (kc x nc) lives in L3 (4096 * 256 * 4 B = 4 MB).
     pub nc: usize,
     pub func: KernelFn,
+    /// The same kernel for a single row of A (1 x nr): M = 1 (decode) would
+    /// otherwise pay for mr rows of FMAs to produce one.
+    pub func1: KernelFn,
 }
 
 impl MicroKernel {
@@ -50,6 +53,7 @@ impl MicroKernel {
         mc: 144,
         nc: 4096,
         func: portable::<6, 16>,
+        func1: portable::<1, 16>,
     };
     /// Plain Rust at the AVX-512 geometry, 8 x 32 (tests the packing for it).
     pub const PORTABLE_8X32: MicroKernel = MicroKernel {
@@ -60,6 +64,7 @@ impl MicroKernel {
         mc: 192,
         nc: 4096,
         func: portable::<8, 32>,
+        func1: portable::<1, 32>,
     };
     #[cfg(target_arch = "x86_64")]
     pub const AVX2: MicroKernel = MicroKernel {
@@ -70,6 +75,7 @@ impl MicroKernel {
         mc: 144,
         nc: 4096,
         func: x86::avx2_6x16,
+        func1: x86::avx2_1x16,
     };
     /// 8 x 32: 16 zmm accumulators of 32; B sliver + A sliver = 256 * 40 * 4 B = 40 KB
     /// (L1d is 48 KB on the AVX-512 Xeons this targets).
@@ -82,6 +88,7 @@ impl MicroKernel {
         mc: 192,
         nc: 4096,
         func: x86::avx512_8x32,
+        func1: x86::avx512_1x32,
     };
 
     /// Whether this CPU can run the kernel.
@@ -260,6 +267,47 @@ mod x86 {
         _mm512_fmadd_ps,
         _mm512_mul_ps
     );
+
+    micro_kernel!(
+        avx2_1x16_impl,
+        "avx2,fma",
+        1,
+        8,
+        _mm256_setzero_ps,
+        _mm256_loadu_ps,
+        _mm256_storeu_ps,
+        _mm256_set1_ps,
+        _mm256_fmadd_ps,
+        _mm256_mul_ps
+    );
+    micro_kernel!(
+        avx512_1x32_impl,
+        "avx512f",
+        1,
+        16,
+        _mm512_setzero_ps,
+        _mm512_loadu_ps,
+        _mm512_storeu_ps,
+        _mm512_set1_ps,
+        _mm512_fmadd_ps,
+        _mm512_mul_ps
+    );
+
+    /// # Safety
+    /// As `avx2_1x16_impl`; only selected when avx2 and fma are detected.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn avx2_1x16(kc: usize, a: *const f32, rsa: usize, csa: usize, b: *const f32, c: *mut f32, ldc: usize, alpha: f32, beta: f32) {
+        // SAFETY: forwarded contract.
+        unsafe { avx2_1x16_impl(kc, a, rsa, csa, b, c, ldc, alpha, beta) }
+    }
+
+    /// # Safety
+    /// As `avx512_1x32_impl`; only selected when avx512f is detected.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn avx512_1x32(kc: usize, a: *const f32, rsa: usize, csa: usize, b: *const f32, c: *mut f32, ldc: usize, alpha: f32, beta: f32) {
+        // SAFETY: forwarded contract.
+        unsafe { avx512_1x32_impl(kc, a, rsa, csa, b, c, ldc, alpha, beta) }
+    }
 
     /// # Safety
     /// As `avx2_6x16_impl`; only selected when avx2 and fma are detected.

@@ -5,9 +5,11 @@
 //! - [`sampling`]: temperature, top-k, top-p, min-p, repetition penalty, seeded.
 //! - [`generate`]: the loop later crates share: streaming, stop ids and strings, finish reasons.
 
+pub mod bench;
 pub mod generate;
 pub mod kv_cache;
 pub mod llama_engine;
+pub mod load;
 pub mod sampling;
 
 use thiserror::Error;

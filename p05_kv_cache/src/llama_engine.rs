@@ -6,6 +6,7 @@
 //! and V go into the cache and each query attends over the cached positions.
 
 use common::{Model, ModelInfo};
+use rayon::prelude::*;
 use p04_transformer::llama::{apply_rope, attend, rms_norm_into, rope_tables, silu, Llama};
 use p04_transformer::ModelError;
 
@@ -161,13 +162,22 @@ impl LlamaEngine {
             apply_rope(q, 1, n, nh, hd, cos, sin);
             apply_rope(k, 1, n, nkv, hd, cos, sin);
             kv.write(l, k, v, n);
-            for i in 0..n {
+            let kv_ref: &KvCache = kv;
+            // Query row i (position p0 + i) attends over cached positions 0..=p0 + i.
+            let attend_row = |i: usize, row: &mut [f32], scores: &mut [f32]| {
                 for head in 0..nh {
-                    let (keys, values) = kv.head(l, head / (nh / nkv));
+                    let (keys, values) = kv_ref.head(l, head / (nh / nkv));
                     let qi = &q[(i * nh + head) * hd..][..hd];
-                    let out = &mut att[(i * nh + head) * hd..][..hd];
-                    attend(qi, keys, values, hd, p0 + i + 1, scale, scores, out);
+                    attend(qi, keys, values, hd, p0 + i + 1, scale, scores, &mut row[head * hd..(head + 1) * hd]);
                 }
+            };
+            if n == 1 || t == 1 {
+                for (i, row) in att.chunks_exact_mut(nh * hd).enumerate() {
+                    attend_row(i, row, scores);
+                }
+            } else {
+                // Prefill: rows in parallel (each task its own scores buffer).
+                att.par_chunks_mut(nh * hd).enumerate().for_each_init(|| vec![0.0f32; p0 + n], |sc, (i, row)| attend_row(i, row, sc));
             }
             blk.wo.apply_into(att, n, o, t)?;
             x.iter_mut().zip(o.iter()).for_each(|(x, o)| *x += o);

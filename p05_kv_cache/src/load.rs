@@ -1,0 +1,48 @@
+//! Open a model for serving: a GGUF file (Llama family, with its tokenizer)
+//! or an HF Llama directory (tokenizer.json if present).
+
+use std::path::Path;
+
+use common::ModelInfo;
+use p04_transformer::{GgufFile, Llama, Tokenizer};
+
+use crate::llama_engine::LlamaEngine;
+use crate::EngineError;
+
+/// An engine and its tokenizer.
+#[derive(Debug)]
+pub struct Loaded {
+    pub engine: LlamaEngine,
+    pub tokenizer: Option<Tokenizer>,
+}
+
+pub fn load(path: &Path) -> Result<Loaded, EngineError> {
+    let (model, tokenizer, name) = if path.is_dir() {
+        let tok = path.join("tokenizer.json");
+        let tokenizer = if tok.exists() { Some(Tokenizer::from_tokenizer_json(&tok)?) } else { None };
+        (Llama::from_hf_dir(path)?, tokenizer, path.display().to_string())
+    } else {
+        let f = GgufFile::open(path).map_err(p04_transformer::ModelError::from)?;
+        let name = f.header.get_str("general.name").unwrap_or("gguf model").to_string();
+        (Llama::from_gguf(&f)?, Some(Tokenizer::from_gguf(&f.header)?), name)
+    };
+    let mut stop_ids: Vec<u32> = Vec::new();
+    if let Some(t) = &tokenizer {
+        stop_ids.extend(t.eos_id);
+        for s in ["<|im_end|>", "<|endoftext|>"] {
+            if let Some(id) = t.id(s) {
+                if !stop_ids.contains(&id) {
+                    stop_ids.push(id);
+                }
+            }
+        }
+    }
+    let info = ModelInfo {
+        name,
+        vocab_size: model.cfg.vocab_size,
+        context_length: model.cfg.max_seq,
+        bos_id: tokenizer.as_ref().and_then(|t| t.bos_id),
+        stop_ids,
+    };
+    Ok(Loaded { engine: LlamaEngine::new(model, info), tokenizer })
+}

@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Peers for `cargo run --release -p p05_kv_cache -- bench`: prefill tok/s on a
+256-token prompt and decode tok/s for 128 tokens after a 16-token prompt, with
+2 threads, on the same SmolLM2 GGUF.
+
+  --peer transformers   transformers fp32 (the GGUF dequantised), run with .venv-ref
+  --peer llamacpp       llama.cpp (llama-cpp-python built from source, Q4_1 as is), run with .venv-peer
+
+Prints one JSON object {"peer", "version", "prefill_tok_s", "decode_tok_s"}
+(medians of --reps runs). Prompts are fixed token ids, so both peers and the
+Rust side run identical work.
+"""
+import argparse
+import json
+import os
+import statistics
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GGUF_DIR = os.path.join(ROOT, "assets", "smollm2")
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PREFILL_IDS = [(100 + 37 * i) % 49152 for i in range(256)]
+DECODE_PROMPT = [(100 + 37 * i) % 49152 for i in range(16)]
+N_DECODE = 128
+
+
+def bench_transformers(reps):
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(GGUF_DIR, gguf_file=GGUF, dtype=torch.float32).eval()
+    pre, dec = [], []
+    with torch.inference_mode():
+        for _ in range(reps + 1):
+            ids = torch.tensor([PREFILL_IDS])
+            t = time.perf_counter()
+            model(ids, use_cache=True)
+            pre.append(len(PREFILL_IDS) / (time.perf_counter() - t))
+            ids = torch.tensor([DECODE_PROMPT])
+            out = model(ids, use_cache=True)
+            past, nxt = out.past_key_values, out.logits[0, -1].argmax()
+            t = time.perf_counter()
+            for _ in range(N_DECODE):
+                out = model(nxt.view(1, 1), past_key_values=past, use_cache=True)
+                past, nxt = out.past_key_values, out.logits[0, -1].argmax()
+            dec.append(N_DECODE / (time.perf_counter() - t))
+    return transformers.__version__, statistics.median(pre[1:]), statistics.median(dec[1:])
+
+
+def bench_llamacpp(reps):
+    import llama_cpp
+    from llama_cpp import Llama
+    llm = Llama(model_path=os.path.join(GGUF_DIR, GGUF), n_ctx=512, n_threads=2, n_threads_batch=2, n_batch=512, verbose=False, logits_all=False)
+    pre, dec = [], []
+    for _ in range(reps + 1):
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(PREFILL_IDS)
+        pre.append(len(PREFILL_IDS) / (time.perf_counter() - t))
+        llm.reset()
+        llm.eval(DECODE_PROMPT)
+        t = time.perf_counter()
+        for _ in range(N_DECODE):
+            nxt = int(llm.scores[llm.n_tokens - 1].argmax())
+            llm.eval([nxt])
+        dec.append(N_DECODE / (time.perf_counter() - t))
+    return llama_cpp.__version__, statistics.median(pre[1:]), statistics.median(dec[1:])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--peer", choices=["transformers", "llamacpp"], required=True)
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args()
+    version, pre, dec = (bench_transformers if a.peer == "transformers" else bench_llamacpp)(a.reps)
+    print(json.dumps({"peer": a.peer, "version": version, "prefill_tok_s": pre, "decode_tok_s": dec}))
+
+
+if __name__ == "__main__":
+    main()
