@@ -85,6 +85,9 @@ thread_local! {
 /// pool thread costs tens of microseconds on this VM; see p01's README).
 pub const PAR_MIN_MACS: usize = 1 << 22;
 
+/// The same for M = 1 (weights streamed once): 256K multiply-adds = 1 MB of f32 weights.
+pub const PAR_MIN_MACS_M1: usize = 1 << 18;
+
 /// Split 0..len into blocks of at most `max` (a multiple of `unit`), all about
 /// equal: K = 784 with kc = 256 gives 4 x 196, not 3 x 256 + 16 (a 16-deep
 /// block pays the C load/store of a full block for 1/16 of the work).
@@ -230,7 +233,14 @@ fn gemm_dispatch(
         return;
     }
     let (mr, nr) = (kernel.mr, kernel.nr);
-    let threads = if m * n * k < PAR_MIN_MACS {
+    // A single row is one pass over the weights: worth splitting from ~1 MB
+    // of weights on (the wake-up then costs less than the streaming it halves).
+    let min_macs = if m == 1 {
+        PAR_MIN_MACS_M1
+    } else {
+        PAR_MIN_MACS
+    };
+    let threads = if m * n * k < min_macs {
         1
     } else {
         threads.max(1)

@@ -296,7 +296,17 @@ mod x86 {
     /// # Safety
     /// As `avx2_1x16_impl`; only selected when avx2 and fma are detected.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn avx2_1x16(kc: usize, a: *const f32, rsa: usize, csa: usize, b: *const f32, c: *mut f32, ldc: usize, alpha: f32, beta: f32) {
+    pub unsafe fn avx2_1x16(
+        kc: usize,
+        a: *const f32,
+        rsa: usize,
+        csa: usize,
+        b: *const f32,
+        c: *mut f32,
+        ldc: usize,
+        alpha: f32,
+        beta: f32,
+    ) {
         // SAFETY: forwarded contract.
         unsafe { avx2_1x16_impl(kc, a, rsa, csa, b, c, ldc, alpha, beta) }
     }
@@ -304,7 +314,17 @@ mod x86 {
     /// # Safety
     /// As `avx512_1x32_impl`; only selected when avx512f is detected.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn avx512_1x32(kc: usize, a: *const f32, rsa: usize, csa: usize, b: *const f32, c: *mut f32, ldc: usize, alpha: f32, beta: f32) {
+    pub unsafe fn avx512_1x32(
+        kc: usize,
+        a: *const f32,
+        rsa: usize,
+        csa: usize,
+        b: *const f32,
+        c: *mut f32,
+        ldc: usize,
+        alpha: f32,
+        beta: f32,
+    ) {
         // SAFETY: forwarded contract.
         unsafe { avx512_1x32_impl(kc, a, rsa, csa, b, c, ldc, alpha, beta) }
     }

@@ -35,7 +35,8 @@ pub struct Conv1D {
 }
 
 impl Conv1D {
-    fn forward(&self, x: &[f32], rows: usize, threads: usize) -> Result<Vec<f32>, ModelError> {
+    /// y (rows, out) = x (rows, in) W + b.
+    pub fn forward(&self, x: &[f32], rows: usize, threads: usize) -> Result<Vec<f32>, ModelError> {
         let mut y = vec![0.0f32; rows * self.n_out];
         let a = MatRef::row_major(x, rows, self.n_in)?;
         let b = MatRef::row_major(&self.w, self.n_in, self.n_out)?;

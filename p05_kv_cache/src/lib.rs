@@ -7,6 +7,7 @@
 
 pub mod bench;
 pub mod generate;
+pub mod gpt2_engine;
 pub mod kv_cache;
 pub mod llama_engine;
 pub mod load;

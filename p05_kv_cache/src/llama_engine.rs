@@ -6,9 +6,9 @@
 //! and V go into the cache and each query attends over the cached positions.
 
 use common::{Model, ModelInfo};
-use rayon::prelude::*;
 use p04_transformer::llama::{apply_rope, attend, rms_norm_into, rope_tables, silu, Llama};
 use p04_transformer::ModelError;
+use rayon::prelude::*;
 
 use crate::kv_cache::KvCache;
 use crate::EngineError;
@@ -168,7 +168,16 @@ impl LlamaEngine {
                 for head in 0..nh {
                     let (keys, values) = kv_ref.head(l, head / (nh / nkv));
                     let qi = &q[(i * nh + head) * hd..][..hd];
-                    attend(qi, keys, values, hd, p0 + i + 1, scale, scores, &mut row[head * hd..(head + 1) * hd]);
+                    attend(
+                        qi,
+                        keys,
+                        values,
+                        hd,
+                        p0 + i + 1,
+                        scale,
+                        scores,
+                        &mut row[head * hd..(head + 1) * hd],
+                    );
                 }
             };
             if n == 1 || t == 1 {
@@ -177,7 +186,10 @@ impl LlamaEngine {
                 }
             } else {
                 // Prefill: rows in parallel (each task its own scores buffer).
-                att.par_chunks_mut(nh * hd).enumerate().for_each_init(|| vec![0.0f32; p0 + n], |sc, (i, row)| attend_row(i, row, sc));
+                att.par_chunks_mut(nh * hd).enumerate().for_each_init(
+                    || vec![0.0f32; p0 + n],
+                    |sc, (i, row)| attend_row(i, row, sc),
+                );
             }
             blk.wo.apply_into(att, n, o, t)?;
             x.iter_mut().zip(o.iter()).for_each(|(x, o)| *x += o);

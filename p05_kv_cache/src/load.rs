@@ -19,12 +19,28 @@ pub struct Loaded {
 pub fn load(path: &Path) -> Result<Loaded, EngineError> {
     let (model, tokenizer, name) = if path.is_dir() {
         let tok = path.join("tokenizer.json");
-        let tokenizer = if tok.exists() { Some(Tokenizer::from_tokenizer_json(&tok)?) } else { None };
-        (Llama::from_hf_dir(path)?, tokenizer, path.display().to_string())
+        let tokenizer = if tok.exists() {
+            Some(Tokenizer::from_tokenizer_json(&tok)?)
+        } else {
+            None
+        };
+        (
+            Llama::from_hf_dir(path)?,
+            tokenizer,
+            path.display().to_string(),
+        )
     } else {
         let f = GgufFile::open(path).map_err(p04_transformer::ModelError::from)?;
-        let name = f.header.get_str("general.name").unwrap_or("gguf model").to_string();
-        (Llama::from_gguf(&f)?, Some(Tokenizer::from_gguf(&f.header)?), name)
+        let name = f
+            .header
+            .get_str("general.name")
+            .unwrap_or("gguf model")
+            .to_string();
+        (
+            Llama::from_gguf(&f)?,
+            Some(Tokenizer::from_gguf(&f.header)?),
+            name,
+        )
     };
     let mut stop_ids: Vec<u32> = Vec::new();
     if let Some(t) = &tokenizer {
@@ -44,5 +60,8 @@ pub fn load(path: &Path) -> Result<Loaded, EngineError> {
         bos_id: tokenizer.as_ref().and_then(|t| t.bos_id),
         stop_ids,
     };
-    Ok(Loaded { engine: LlamaEngine::new(model, info), tokenizer })
+    Ok(Loaded {
+        engine: LlamaEngine::new(model, info),
+        tokenizer,
+    })
 }

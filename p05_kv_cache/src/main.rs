@@ -57,18 +57,44 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     let path = match cli.model {
         Some(p) => p,
-        None => common::assets::ensure(common::assets::Asset::SmolLm2).map_err(anyhow::Error::msg)?,
+        None => {
+            common::assets::ensure(common::assets::Asset::SmolLm2).map_err(anyhow::Error::msg)?
+        }
     };
     let loaded = p05_kv_cache::load::load(&path)?;
     match cli.cmd {
-        Cmd::Generate { prompt, chat, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop } => {
-            let Some(tok) = &loaded.tokenizer else { bail!("{} has no tokenizer", path.display()) };
-            let text = if chat { tok.chat_prompt(&[("user", prompt.as_str())]) } else { prompt.clone() };
+        Cmd::Generate {
+            prompt,
+            chat,
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repetition_penalty,
+            seed,
+            stop,
+        } => {
+            let Some(tok) = &loaded.tokenizer else {
+                bail!("{} has no tokenizer", path.display())
+            };
+            let text = if chat {
+                tok.chat_prompt(&[("user", prompt.as_str())])
+            } else {
+                prompt.clone()
+            };
             let mut ids: Vec<u32> = tok.bos_id.into_iter().collect();
             ids.extend(tok.encode(&text));
             let params = GenerateParams {
                 max_tokens,
-                sampling: SamplingParams { temperature, top_k, top_p, min_p, repetition_penalty, seed },
+                sampling: SamplingParams {
+                    temperature,
+                    top_k,
+                    top_p,
+                    min_p,
+                    repetition_penalty,
+                    seed,
+                },
                 stop_ids: vec![],
                 stop_strings: stop,
             };
@@ -91,8 +117,14 @@ fn main() -> Result<()> {
                 g.decode_tok_per_s()
             );
         }
-        Cmd::Bench { no_peers, no_record } => {
-            let command = std::iter::once("cargo run --release -p p05_kv_cache --".to_string()).chain(std::env::args().skip(1)).collect::<Vec<_>>().join(" ");
+        Cmd::Bench {
+            no_peers,
+            no_record,
+        } => {
+            let command = std::iter::once("cargo run --release -p p05_kv_cache --".to_string())
+                .chain(std::env::args().skip(1))
+                .collect::<Vec<_>>()
+                .join(" ");
             p05_kv_cache::bench::run(&loaded.engine, &path, !no_peers, !no_record, &command)?;
         }
     }

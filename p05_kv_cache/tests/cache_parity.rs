@@ -151,3 +151,34 @@ fn full_cache_and_bad_tokens_are_errors() {
         p05_kv_cache::kv_cache::KvCache::formula_bytes(2, 2, 8, 8)
     );
 }
+
+#[test]
+fn tiny_gpt2_cache_equals_full_recompute_at_every_step() {
+    use p05_kv_cache::gpt2_engine::Gpt2Engine;
+    let model =
+        p04_transformer::Gpt2::from_hf_dir(&p04_transformer::fixtures_dir().join("tiny_gpt2"))
+            .unwrap();
+    let engine = Gpt2Engine::new(model, info(101, 64));
+    for prompt in [vec![7u32], vec![3, 1, 4, 1, 5, 9, 2]] {
+        let (mut logits, mut cache) = engine.prefill(&prompt, prompt.len() + 20).unwrap();
+        let mut seq = prompt.clone();
+        for step in 0..=20 {
+            let full = last_row(&engine.model.forward(&seq, 1, seq.len()).unwrap());
+            let scale = full.iter().fold(0.0f32, |a, &x| a.max(x.abs()));
+            let diff = logits
+                .iter()
+                .zip(&full)
+                .fold(0.0f32, |a, (x, y)| a.max((x - y).abs()));
+            assert!(
+                diff <= 1e-5 * scale,
+                "step {step}: |diff| {diff:e} vs scale {scale}"
+            );
+            if step == 20 {
+                break;
+            }
+            let next = argmax(&full);
+            seq.push(next);
+            engine.decode(next, &mut cache, &mut logits).unwrap();
+        }
+    }
+}

@@ -42,9 +42,16 @@ static GLOBAL: Counting = Counting;
 
 #[test]
 fn decode_step_allocates_nothing_after_warmup() {
-    let mut model = Llama::from_hf_dir(&p04_transformer::fixtures_dir().join("tiny_llama")).unwrap();
+    let mut model =
+        Llama::from_hf_dir(&p04_transformer::fixtures_dir().join("tiny_llama")).unwrap();
     model.threads = 1;
-    let info = ModelInfo { name: "tiny".into(), vocab_size: 101, context_length: 64, bos_id: None, stop_ids: vec![] };
+    let info = ModelInfo {
+        name: "tiny".into(),
+        vocab_size: 101,
+        context_length: 64,
+        bos_id: None,
+        stop_ids: vec![],
+    };
     let engine = LlamaEngine::new(model, info);
     let (mut logits, mut cache) = engine.prefill(&[3, 1, 4, 1, 5], 40).unwrap();
     engine.decode(9, &mut cache, &mut logits).unwrap(); // warm-up
@@ -55,7 +62,12 @@ fn decode_step_allocates_nothing_after_warmup() {
         tok = p05_kv_cache::sampling::argmax(&logits);
     }
     let after = ALLOCS.with(Cell::get);
-    assert_eq!(after - before, 0, "20 decode steps allocated {} times", after - before);
+    assert_eq!(
+        after - before,
+        0,
+        "20 decode steps allocated {} times",
+        after - before
+    );
     // The counter sees allocations: a prefill makes a new cache.
     let before = ALLOCS.with(Cell::get);
     let _ = engine.prefill(&[1], 4).unwrap();

@@ -2,21 +2,31 @@
 //! differ; draws follow the filtered softmax (chi-square); top-p keeps the
 //! smallest set reaching p; invalid settings are errors.
 
-use p05_kv_cache::sampling::{apply_repetition_penalty, argmax, Sampler, SamplingError, SamplingParams};
+use p05_kv_cache::sampling::{
+    apply_repetition_penalty, argmax, Sampler, SamplingError, SamplingParams,
+};
 
 fn logits() -> Vec<f32> {
     vec![1.0, 3.2, -0.5, 2.9, 0.3, 2.0, -2.0, 1.7]
 }
 
 fn params(temperature: f32) -> SamplingParams {
-    SamplingParams { temperature, ..SamplingParams::default() }
+    SamplingParams {
+        temperature,
+        ..SamplingParams::default()
+    }
 }
 
 #[test]
 fn top_k_one_and_temperature_zero_are_greedy() {
     let greedy = argmax(&logits());
     assert_eq!(greedy, 1);
-    let mut s = Sampler::new(SamplingParams { top_k: Some(1), seed: 9, ..params(1.5) }).unwrap();
+    let mut s = Sampler::new(SamplingParams {
+        top_k: Some(1),
+        seed: 9,
+        ..params(1.5)
+    })
+    .unwrap();
     for _ in 0..200 {
         assert_eq!(s.sample(&mut logits(), &[]), greedy);
     }
@@ -27,8 +37,14 @@ fn top_k_one_and_temperature_zero_are_greedy() {
 #[test]
 fn same_seed_same_draws_other_seed_differs() {
     let draw = |seed| {
-        let mut s = Sampler::new(SamplingParams { seed, ..params(1.0) }).unwrap();
-        (0..64).map(|_| s.sample(&mut logits(), &[])).collect::<Vec<_>>()
+        let mut s = Sampler::new(SamplingParams {
+            seed,
+            ..params(1.0)
+        })
+        .unwrap();
+        (0..64)
+            .map(|_| s.sample(&mut logits(), &[]))
+            .collect::<Vec<_>>()
     };
     assert_eq!(draw(42), draw(42));
     assert_ne!(draw(42), draw(43));
@@ -38,13 +54,22 @@ fn same_seed_same_draws_other_seed_differs() {
 fn draws_follow_the_filtered_softmax() {
     // temperature 0.8, top-k 5, then min-p 0.05: the reference distribution is
     // computed here independently, in f64, from the definition.
-    let p = SamplingParams { temperature: 0.8, top_k: Some(5), min_p: 0.05, seed: 7, ..SamplingParams::default() };
+    let p = SamplingParams {
+        temperature: 0.8,
+        top_k: Some(5),
+        min_p: 0.05,
+        seed: 7,
+        ..SamplingParams::default()
+    };
     let l = logits();
     let mut idx: Vec<usize> = (0..l.len()).collect();
     idx.sort_by(|&a, &b| l[b].total_cmp(&l[a]));
     let kept: Vec<usize> = idx[..5].to_vec();
     let z: f64 = kept.iter().map(|&i| (f64::from(l[i]) / 0.8).exp()).sum();
-    let mut probs: Vec<(usize, f64)> = kept.iter().map(|&i| (i, (f64::from(l[i]) / 0.8).exp() / z)).collect();
+    let mut probs: Vec<(usize, f64)> = kept
+        .iter()
+        .map(|&i| (i, (f64::from(l[i]) / 0.8).exp() / z))
+        .collect();
     let top = probs[0].1;
     probs.retain(|&(_, q)| q >= 0.05 * top);
     let z2: f64 = probs.iter().map(|p| p.1).sum();
@@ -61,24 +86,39 @@ fn draws_follow_the_filtered_softmax() {
             assert_eq!(c, 0, "token {i} was filtered out but drawn {c} times");
         }
     }
-    let chi2: f64 = probs.iter().map(|&(i, q)| {
-        let e = q * n as f64;
-        (counts[i] as f64 - e).powi(2) / e
-    }).sum();
+    let chi2: f64 = probs
+        .iter()
+        .map(|&(i, q)| {
+            let e = q * n as f64;
+            (counts[i] as f64 - e).powi(2) / e
+        })
+        .sum();
     // df = kept - 1; 0.1% critical values: df 3 -> 16.27, df 4 -> 18.47.
     let crit = [0.0, 10.83, 13.82, 16.27, 18.47][probs.len() - 1];
-    assert!(chi2 < crit, "chi-square {chi2:.2} >= {crit} (df {}), counts {counts:?}, expected {probs:?}", probs.len() - 1);
+    assert!(
+        chi2 < crit,
+        "chi-square {chi2:.2} >= {crit} (df {}), counts {counts:?}, expected {probs:?}",
+        probs.len() - 1
+    );
 }
 
 #[test]
 fn top_p_keeps_the_smallest_set_reaching_p() {
     let l = logits();
     for top_p in [0.3f32, 0.5, 0.8, 0.95, 1.0] {
-        let mut s = Sampler::new(SamplingParams { top_p, ..params(1.0) }).unwrap();
+        let mut s = Sampler::new(SamplingParams {
+            top_p,
+            ..params(1.0)
+        })
+        .unwrap();
         let dist: Vec<(f32, u32)> = s.distribution(&mut l.clone(), &[]).to_vec();
         // Reference: full softmax sorted; smallest prefix with mass >= p.
         let z: f64 = l.iter().map(|&x| f64::from(x).exp()).sum();
-        let mut full: Vec<(f64, u32)> = l.iter().enumerate().map(|(i, &x)| (f64::from(x).exp() / z, i as u32)).collect();
+        let mut full: Vec<(f64, u32)> = l
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| (f64::from(x).exp() / z, i as u32))
+            .collect();
         full.sort_by(|a, b| b.0.total_cmp(&a.0));
         let mut mass = 0.0;
         let mut k = full.len();
@@ -101,16 +141,47 @@ fn top_p_keeps_the_smallest_set_reaching_p() {
 fn repetition_penalty_follows_transformers_rule() {
     let mut l = vec![2.0, -1.0, 0.5];
     apply_repetition_penalty(&mut l, &[0, 1, 0], 2.0);
-    assert_eq!(l, vec![1.0, -2.0, 0.5], "positive / p, negative * p, once per token");
+    assert_eq!(
+        l,
+        vec![1.0, -2.0, 0.5],
+        "positive / p, negative * p, once per token"
+    );
 }
 
 #[test]
 fn invalid_settings_are_errors() {
     let bad = |p: SamplingParams| Sampler::new(p).unwrap_err();
     assert_eq!(bad(params(-0.1)), SamplingError::Temperature(-0.1));
-    assert_eq!(bad(SamplingParams { top_p: 0.0, ..params(1.0) }), SamplingError::TopP(0.0));
-    assert_eq!(bad(SamplingParams { top_p: 1.5, ..params(1.0) }), SamplingError::TopP(1.5));
-    assert_eq!(bad(SamplingParams { top_k: Some(0), ..params(1.0) }), SamplingError::TopK);
-    assert_eq!(bad(SamplingParams { min_p: 2.0, ..params(1.0) }), SamplingError::MinP(2.0));
-    assert!(matches!(bad(params(f32::NAN)), SamplingError::Temperature(_)));
+    assert_eq!(
+        bad(SamplingParams {
+            top_p: 0.0,
+            ..params(1.0)
+        }),
+        SamplingError::TopP(0.0)
+    );
+    assert_eq!(
+        bad(SamplingParams {
+            top_p: 1.5,
+            ..params(1.0)
+        }),
+        SamplingError::TopP(1.5)
+    );
+    assert_eq!(
+        bad(SamplingParams {
+            top_k: Some(0),
+            ..params(1.0)
+        }),
+        SamplingError::TopK
+    );
+    assert_eq!(
+        bad(SamplingParams {
+            min_p: 2.0,
+            ..params(1.0)
+        }),
+        SamplingError::MinP(2.0)
+    );
+    assert!(matches!(
+        bad(params(f32::NAN)),
+        SamplingError::Temperature(_)
+    ));
 }
