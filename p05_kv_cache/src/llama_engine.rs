@@ -180,16 +180,25 @@ impl LlamaEngine {
                     );
                 }
             };
-            if n == 1 || t == 1 {
+            if n == 1 {
                 for (i, row) in att.chunks_exact_mut(nh * hd).enumerate() {
                     attend_row(i, row, scores);
                 }
             } else {
-                // Prefill: rows in parallel (each task its own scores buffer).
-                att.par_chunks_mut(nh * hd).enumerate().for_each_init(
-                    || vec![0.0f32; p0 + n],
-                    |sc, (i, row)| attend_row(i, row, sc),
-                );
+                // Prefill: per head, S = Q K^T and O = softmax(S) V as two
+                // matmuls over all n queries at once (heads in parallel).
+                let per_head: Vec<Vec<f32>> = (0..nh)
+                    .into_par_iter()
+                    .map(|head| {
+                        prefill_head(q, kv_ref, l, head / (nh / nkv), head, nh, hd, p0, n, scale)
+                    })
+                    .collect::<Result<_, _>>()?;
+                for (head, oh) in per_head.iter().enumerate() {
+                    for i in 0..n {
+                        att[(i * nh + head) * hd..][..hd]
+                            .copy_from_slice(&oh[i * hd..(i + 1) * hd]);
+                    }
+                }
             }
             blk.wo.apply_into(att, n, o, t)?;
             x.iter_mut().zip(o.iter()).for_each(|(x, o)| *x += o);
@@ -210,6 +219,71 @@ impl LlamaEngine {
         m.lm_head.apply_into(&h[..d], 1, logits, t)?;
         Ok(())
     }
+}
+
+/// One head's causal attention for n queries at positions p0..p0+n over the
+/// cached keys 0..p0+n, as two matmuls: S = scale Q K^T (n, p0+n), the causal
+/// mask and a row softmax, then O = S V (n, head_dim).
+#[allow(clippy::too_many_arguments)]
+fn prefill_head(
+    q: &[f32],
+    kv: &KvCache,
+    layer: usize,
+    kv_head: usize,
+    head: usize,
+    nh: usize,
+    hd: usize,
+    p0: usize,
+    n: usize,
+    scale: f32,
+) -> Result<Vec<f32>, EngineError> {
+    use p02_matmul_bench::{sgemm, GemmOpts, MatMut, MatRef};
+    let keys_n = p0 + n;
+    let (keys, values) = kv.head(layer, kv_head);
+    let one = GemmOpts {
+        threads: 1,
+        ..GemmOpts::default()
+    };
+    let gemm_err = |e| EngineError::Model(ModelError::Gemm(e));
+    let qh = MatRef::new(&q[head * hd..], n, hd, nh * hd, 1).map_err(gemm_err)?;
+    let kt = MatRef::new(keys, keys_n, hd, hd, 1).map_err(gemm_err)?.t();
+    let mut s = vec![0.0f32; n * keys_n];
+    sgemm(
+        qh,
+        kt,
+        &mut MatMut::row_major(&mut s, n, keys_n).map_err(gemm_err)?,
+        GemmOpts {
+            alpha: scale,
+            ..one
+        },
+    )
+    .map_err(gemm_err)?;
+    for (i, row) in s.chunks_exact_mut(keys_n).enumerate() {
+        let visible = p0 + i + 1; // the causal mask: keys after position p0 + i are hidden
+        let max = row[..visible]
+            .iter()
+            .copied()
+            .fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0f32;
+        for x in &mut row[..visible] {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        for x in &mut row[..visible] {
+            *x /= sum;
+        }
+        row[visible..].fill(0.0);
+    }
+    let v = MatRef::new(values, keys_n, hd, hd, 1).map_err(gemm_err)?;
+    let mut o = vec![0.0f32; n * hd];
+    sgemm(
+        MatRef::row_major(&s, n, keys_n).map_err(gemm_err)?,
+        v,
+        &mut MatMut::row_major(&mut o, n, hd).map_err(gemm_err)?,
+        one,
+    )
+    .map_err(gemm_err)?;
+    Ok(o)
 }
 
 impl Model for LlamaEngine {

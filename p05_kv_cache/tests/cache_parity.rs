@@ -115,11 +115,15 @@ fn smollm2_cached_greedy_matches_transformers_and_recompute() {
         .map(|&v| v as u32)
         .collect();
     let worst = compare(&engine, &prompt, 4);
-    // Same kernels, same summation order per element: the cache changes what
-    // is recomputed, not how. Measured 0; allow 1e-6 of the logit scale.
+    // The cached prefill computes attention as two matmuls per head (QK^T,
+    // then PV) while the recompute sums per query: the same math in another
+    // f32 order, so the logits differ by rounding only. Measured 1.7e-6 of
+    // the logit scale (the size of our gap to transformers, 5.2e-5 absolute
+    // at scale ~30); held to the 1e-5 of scale, with the greedy
+    // tokens above exact.
     eprintln!("SmolLM2 cached vs recompute: worst relative |diff| {worst:e}");
     assert!(
-        worst <= 1e-6,
+        worst <= 1e-5,
         "SmolLM2 cached vs recompute: worst relative |diff| {worst:e}"
     );
 }
