@@ -8,6 +8,7 @@
 //! - [`plot`]: line and log-log charts to PNG.
 //! - [`assets`]: locating the workspace and fetching assets through `scripts/fetch_assets.sh`.
 
+pub mod alloc_count;
 pub mod assets;
 pub mod compare;
 pub mod model;

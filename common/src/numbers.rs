@@ -119,6 +119,14 @@ fn format_value(v: f64) -> String {
     }
 }
 
+/// The command a user typed, for numbers.md: `cargo run --release -p CRATE -- ARGS`.
+pub fn command_line(crate_name: &str) -> String {
+    std::iter::once(format!("cargo run --release -p {crate_name} --"))
+        .chain(std::env::args().skip(1))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 /// "YYYY-MM-DD HH:MM" in UTC, from the system clock.
 pub fn utc_date_time() -> String {
     let secs = SystemTime::now()

@@ -83,10 +83,7 @@ fn main() -> Result<()> {
                 rounds: rounds.max(1),
                 peer: !no_peer,
                 record: !no_record,
-                command: std::iter::once("cargo run --release -p p01_engine --".to_string())
-                    .chain(std::env::args().skip(1))
-                    .collect::<Vec<_>>()
-                    .join(" "),
+                command: common::numbers::command_line("p01_engine"),
             })
         }
     }

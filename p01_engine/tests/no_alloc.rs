@@ -1,50 +1,12 @@
 //! After one warm-up call, a single-threaded forward pass makes zero heap
 //! allocations: proved by counting every allocation in this test binary.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
-
+use common::alloc_count::count as allocs;
 use p01_engine::graph::CompileOptions;
 use p01_engine::{Engine, LoadOptions, Workspace};
 
-struct Counting;
-
-thread_local! {
-    /// Allocations made by this thread. Counted per thread so that the test
-    /// harness's own threads (which may allocate at any time) cannot make the
-    /// test fail; the engine runs on the calling thread (threads = 1).
-    static ALLOCS: Cell<usize> = const { Cell::new(0) };
-}
-
-fn count() {
-    // try_with: during thread teardown the slot may be gone; those are not ours.
-    let _ = ALLOCS.try_with(|c| c.set(c.get() + 1));
-}
-
-fn allocs() -> usize {
-    ALLOCS.with(Cell::get)
-}
-
-// SAFETY: forwards to the system allocator unchanged, only counting calls.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        count();
-        // SAFETY: same contract as the caller's.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // SAFETY: same contract as the caller's.
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        count();
-        // SAFETY: same contract as the caller's.
-        unsafe { System.realloc(p, l, n) }
-    }
-}
-
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: common::alloc_count::Counting = common::alloc_count::Counting;
 
 #[test]
 fn forward_into_allocates_nothing_after_warmup() {

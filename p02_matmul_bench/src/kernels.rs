@@ -186,8 +186,28 @@ mod x86 {
 
     /// One kernel body for both ISAs: 2 vectors of B per k, MR broadcasts of A.
     macro_rules! micro_kernel {
-        ($name:ident, $feature:literal, $mr:literal, $lanes:literal,
+        ($wrapper:ident, $name:ident, $feature:literal, $mr:literal, $lanes:literal,
          $zero:ident, $loadu:ident, $storeu:ident, $set1:ident, $fmadd:ident, $mul:ident) => {
+            /// The kernel as a plain `unsafe fn` (a [`super::KernelFn`]).
+            ///
+            /// # Safety
+            /// As the body below; only selected when the CPU has the feature.
+            #[allow(clippy::too_many_arguments)]
+            pub unsafe fn $wrapper(
+                kc: usize,
+                a: *const f32,
+                rsa: usize,
+                csa: usize,
+                b: *const f32,
+                c: *mut f32,
+                ldc: usize,
+                alpha: f32,
+                beta: f32,
+            ) {
+                // SAFETY: forwarded contract.
+                unsafe { $name(kc, a, rsa, csa, b, c, ldc, alpha, beta) }
+            }
+
             /// # Safety
             /// CPU supports the target feature; A's MR x kc elements are
             /// readable at a + i*rsa + p*csa, `b` holds kc*NR floats (NR = 2
@@ -244,6 +264,7 @@ mod x86 {
     }
 
     micro_kernel!(
+        avx2_6x16,
         avx2_6x16_impl,
         "avx2,fma",
         6,
@@ -256,6 +277,7 @@ mod x86 {
         _mm256_mul_ps
     );
     micro_kernel!(
+        avx512_8x32,
         avx512_8x32_impl,
         "avx512f",
         8,
@@ -269,6 +291,7 @@ mod x86 {
     );
 
     micro_kernel!(
+        avx2_1x16,
         avx2_1x16_impl,
         "avx2,fma",
         1,
@@ -281,6 +304,7 @@ mod x86 {
         _mm256_mul_ps
     );
     micro_kernel!(
+        avx512_1x32,
         avx512_1x32_impl,
         "avx512f",
         1,
@@ -292,76 +316,4 @@ mod x86 {
         _mm512_fmadd_ps,
         _mm512_mul_ps
     );
-
-    /// # Safety
-    /// As `avx2_1x16_impl`; only selected when avx2 and fma are detected.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn avx2_1x16(
-        kc: usize,
-        a: *const f32,
-        rsa: usize,
-        csa: usize,
-        b: *const f32,
-        c: *mut f32,
-        ldc: usize,
-        alpha: f32,
-        beta: f32,
-    ) {
-        // SAFETY: forwarded contract.
-        unsafe { avx2_1x16_impl(kc, a, rsa, csa, b, c, ldc, alpha, beta) }
-    }
-
-    /// # Safety
-    /// As `avx512_1x32_impl`; only selected when avx512f is detected.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn avx512_1x32(
-        kc: usize,
-        a: *const f32,
-        rsa: usize,
-        csa: usize,
-        b: *const f32,
-        c: *mut f32,
-        ldc: usize,
-        alpha: f32,
-        beta: f32,
-    ) {
-        // SAFETY: forwarded contract.
-        unsafe { avx512_1x32_impl(kc, a, rsa, csa, b, c, ldc, alpha, beta) }
-    }
-
-    /// # Safety
-    /// As `avx2_6x16_impl`; only selected when avx2 and fma are detected.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn avx2_6x16(
-        kc: usize,
-        a: *const f32,
-        rsa: usize,
-        csa: usize,
-        b: *const f32,
-        c: *mut f32,
-        ldc: usize,
-        alpha: f32,
-        beta: f32,
-    ) {
-        // SAFETY: forwarded contract.
-        unsafe { avx2_6x16_impl(kc, a, rsa, csa, b, c, ldc, alpha, beta) }
-    }
-
-    /// # Safety
-    /// As `avx512_8x32_impl`; only selected when avx512f is detected.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn avx512_8x32(
-        kc: usize,
-        a: *const f32,
-        rsa: usize,
-        csa: usize,
-        b: *const f32,
-        c: *mut f32,
-        ldc: usize,
-        alpha: f32,
-        beta: f32,
-    ) {
-        // SAFETY: forwarded contract.
-        unsafe { avx512_8x32_impl(kc, a, rsa, csa, b, c, ldc, alpha, beta) }
-    }
 }

@@ -62,10 +62,7 @@ fn main() -> Result<()> {
                 python: !no_python,
                 record: !no_record && !mlp_only,
                 mlp_only,
-                command: std::iter::once("cargo run --release -p p02_matmul_bench --".to_string())
-                    .chain(std::env::args().skip(1))
-                    .collect::<Vec<_>>()
-                    .join(" "),
+                command: common::numbers::command_line("p02_matmul_bench"),
             })
         }
         Cmd::Ceilings => {

@@ -119,10 +119,7 @@ fn main() -> Result<()> {
             println!("           changing the first token moved the last position's logits by up to {last:.4} (must be > 0)");
         }
         Cmd::Bench { seqs, no_record } => {
-            let command = std::iter::once("cargo run --release -p p04_transformer --".to_string())
-                .chain(std::env::args().skip(1))
-                .collect::<Vec<_>>()
-                .join(" ");
+            let command = common::numbers::command_line("p04_transformer");
             p04_transformer::bench::run(&model, &seqs, !no_record, &command)?;
         }
         Cmd::Inspect => unreachable!("handled above"),

@@ -2,49 +2,19 @@
 //! overlapping tensors, bad alignment, bad types and dims. Each must give a
 //! typed error, never a panic, and no allocation anywhere near a claimed size.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::path::Path;
 
+use common::alloc_count::{max_request, reset_max};
 use p04_transformer::gguf::{parse, GgufError};
 
-struct MaxAlloc;
-
-thread_local! {
-    /// Largest single allocation made by this thread since the last reset.
-    static MAX: Cell<usize> = const { Cell::new(0) };
-}
-
-fn note(size: usize) {
-    let _ = MAX.try_with(|m| m.set(m.get().max(size)));
-}
-
-// SAFETY: forwards to the system allocator, only recording request sizes.
-unsafe impl GlobalAlloc for MaxAlloc {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        note(l.size());
-        // SAFETY: same contract as the caller's.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // SAFETY: same contract as the caller's.
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        note(n);
-        // SAFETY: same contract as the caller's.
-        unsafe { System.realloc(p, l, n) }
-    }
-}
-
 #[global_allocator]
-static GLOBAL: MaxAlloc = MaxAlloc;
+static GLOBAL: common::alloc_count::Counting = common::alloc_count::Counting;
 
 /// Parse, and check no single allocation exceeded a bound proportional to the input.
 fn parse_bounded(bytes: &[u8]) -> Result<(), GgufError> {
-    MAX.with(|m| m.set(0));
+    reset_max();
     let r = parse(bytes, Path::new("mutant.gguf")).map(|_| ());
-    let max = MAX.with(Cell::get);
+    let max = max_request();
     let bound = 64 * bytes.len() + (1 << 16);
     assert!(
         max <= bound,

@@ -32,32 +32,7 @@ impl Gpt2Engine {
         let m = &self.model;
         let c = &m.cfg;
         let (n, p0) = (ids.len(), cache.len);
-        cache.check_room(n)?;
-        if p0 + n > c.n_positions {
-            return Err(ModelError::Context {
-                len: p0 + n,
-                ctx: c.n_positions,
-            }
-            .into());
-        }
-        if let Some((i, &id)) = ids
-            .iter()
-            .enumerate()
-            .find(|(_, &id)| id as usize >= c.vocab_size)
-        {
-            return Err(ModelError::TokenId {
-                id,
-                pos: p0 + i,
-                vocab: c.vocab_size,
-            }
-            .into());
-        }
-        if logits.len() != c.vocab_size {
-            return Err(EngineError::Logits {
-                len: logits.len(),
-                vocab: c.vocab_size,
-            });
-        }
+        cache.check_step(ids, c.n_positions, c.vocab_size, logits.len())?;
         let (d, nh) = (c.n_embd, c.n_head);
         let hd = d / nh;
         let t = m.threads;

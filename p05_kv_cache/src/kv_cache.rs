@@ -6,6 +6,10 @@
 
 use thiserror::Error;
 
+use p04_transformer::ModelError;
+
+use crate::EngineError;
+
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum CacheError {
     #[error("KV cache is full: {len} of {max_seq} positions used, {adding} more requested")]
@@ -66,6 +70,38 @@ impl KvCache {
                 len: self.len,
                 max_seq: self.max_seq,
                 adding,
+            });
+        }
+        Ok(())
+    }
+
+    /// Everything a step of `ids` must satisfy before any work: room in the
+    /// cache, positions within the model's context `ctx`, ids in the
+    /// vocabulary, a logits buffer of vocabulary length.
+    pub fn check_step(
+        &self,
+        ids: &[u32],
+        ctx: usize,
+        vocab: usize,
+        logits_len: usize,
+    ) -> Result<(), EngineError> {
+        let (n, p0) = (ids.len(), self.len);
+        self.check_room(n)?;
+        if p0 + n > ctx {
+            return Err(ModelError::Context { len: p0 + n, ctx }.into());
+        }
+        if let Some((i, &id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+            return Err(ModelError::TokenId {
+                id,
+                pos: p0 + i,
+                vocab,
+            }
+            .into());
+        }
+        if logits_len != vocab {
+            return Err(EngineError::Logits {
+                len: logits_len,
+                vocab,
             });
         }
         Ok(())

@@ -88,32 +88,9 @@ impl LlamaEngine {
         let c = &m.cfg;
         let n = ids.len();
         let p0 = cache.kv.len;
-        cache.kv.check_room(n)?;
-        if p0 + n > c.max_seq {
-            return Err(ModelError::Context {
-                len: p0 + n,
-                ctx: c.max_seq,
-            }
-            .into());
-        }
-        if let Some((i, &id)) = ids
-            .iter()
-            .enumerate()
-            .find(|(_, &id)| id as usize >= c.vocab_size)
-        {
-            return Err(ModelError::TokenId {
-                id,
-                pos: p0 + i,
-                vocab: c.vocab_size,
-            }
-            .into());
-        }
-        if logits.len() != c.vocab_size {
-            return Err(EngineError::Logits {
-                len: logits.len(),
-                vocab: c.vocab_size,
-            });
-        }
+        cache
+            .kv
+            .check_step(ids, c.max_seq, c.vocab_size, logits.len())?;
         let (d, hd, nh, nkv, ff) = (
             c.hidden_size,
             c.head_dim,

@@ -121,10 +121,7 @@ fn main() -> Result<()> {
             no_peers,
             no_record,
         } => {
-            let command = std::iter::once("cargo run --release -p p05_kv_cache --".to_string())
-                .chain(std::env::args().skip(1))
-                .collect::<Vec<_>>()
-                .join(" ");
+            let command = common::numbers::command_line("p05_kv_cache");
             p05_kv_cache::bench::run(&loaded.engine, &path, !no_peers, !no_record, &command)?;
         }
     }
