@@ -28,6 +28,10 @@ pub struct GenerateParams {
     /// Extra stop token ids (the model's own stop ids always apply).
     pub stop_ids: Vec<u32>,
     pub stop_strings: Vec<String>,
+    /// Keep going past the model's own stop tokens (fixed-length benchmarks).
+    pub ignore_eos: bool,
+    /// Report log p of each sampled token and this many top alternatives.
+    pub logprobs: Option<usize>,
 }
 
 #[derive(Clone, Debug)]
@@ -110,6 +114,177 @@ impl StopFilter {
     }
 }
 
+/// One sampled token, as [`Generator::next_token`] hands it out.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Step {
+    pub token: u32,
+    /// Text that became final with this token (may be empty: an unfinished
+    /// UTF-8 character, or text held back while it could be a stop string).
+    pub text: String,
+    /// log p(token) under the model's distribution (raw logits, before
+    /// penalties and temperature), when logprobs were asked for.
+    pub logprob: Option<f32>,
+    /// The `top_logprobs` most likely tokens and their log p, most likely first.
+    pub top_logprobs: Vec<(u32, f32)>,
+    /// Set on the last step; `text` then includes any held-back text.
+    pub finish: Option<FinishReason>,
+}
+
+/// A generation driven one token at a time, so a server can stream each
+/// step, watch for a client that left, and drop the cache at once.
+/// [`generate`] is the same loop run to the end.
+#[derive(Debug)]
+pub struct Generator<'a, M: Model> {
+    model: &'a M,
+    tok: &'a Tokenizer,
+    params: GenerateParams,
+    sampler: Sampler,
+    stop_ids: Vec<u32>,
+    /// Prompt and generated tokens (the repetition penalty reads it).
+    history: Vec<u32>,
+    prompt_tokens: usize,
+    generated: usize,
+    /// (vocab_size) logits for the next position.
+    logits: Vec<f32>,
+    cache: M::Cache,
+    utf8: Utf8Stream,
+    stops: StopFilter,
+    done: bool,
+    prefill_seconds: f64,
+}
+
+impl<'a, M: Model> Generator<'a, M> {
+    /// Check the request against the context, then prefill the prompt.
+    pub fn start(
+        model: &'a M,
+        tok: &'a Tokenizer,
+        prompt: &[u32],
+        params: &GenerateParams,
+    ) -> Result<Self, GenerateError<M::Error>> {
+        let info = model.info();
+        let context = info.context_length;
+        if prompt.len().saturating_add(params.max_tokens) > context {
+            return Err(GenerateError::Context {
+                prompt: prompt.len(),
+                max_tokens: params.max_tokens,
+                context,
+            });
+        }
+        let sampler = Sampler::new(params.sampling.clone())?;
+        let stop_ids: Vec<u32> = if params.ignore_eos {
+            params.stop_ids.clone()
+        } else {
+            info.stop_ids
+                .iter()
+                .chain(&params.stop_ids)
+                .copied()
+                .collect()
+        };
+        let t0 = Instant::now();
+        let (logits, cache) = model
+            .prefill(prompt, prompt.len() + params.max_tokens)
+            .map_err(GenerateError::Model)?;
+        Ok(Generator {
+            model,
+            tok,
+            params: params.clone(),
+            sampler,
+            stop_ids,
+            history: prompt.to_vec(),
+            prompt_tokens: prompt.len(),
+            generated: 0,
+            logits,
+            cache,
+            utf8: Utf8Stream::default(),
+            stops: StopFilter::default(),
+            done: params.max_tokens == 0,
+            prefill_seconds: t0.elapsed().as_secs_f64(),
+        })
+    }
+
+    pub fn prompt_tokens(&self) -> usize {
+        self.prompt_tokens
+    }
+
+    /// Tokens sampled so far (a stop token is not counted).
+    pub fn generated_tokens(&self) -> usize {
+        self.generated
+    }
+
+    pub fn prefill_seconds(&self) -> f64 {
+        self.prefill_seconds
+    }
+
+    /// Sample the next token and run it through the model (unless it is the
+    /// last). `None` once finished. A stop token ends the generation with a
+    /// step whose `text` is what was held back and whose token is the stop id.
+    pub fn next_token(&mut self) -> Result<Option<Step>, GenerateError<M::Error>> {
+        if self.done {
+            return Ok(None);
+        }
+        let (logprob, top_logprobs) = match self.params.logprobs {
+            Some(top) => {
+                let (lp, top) = log_probs(&self.logits, top);
+                (Some(lp), top)
+            }
+            None => (None, Vec::new()),
+        };
+        let next = self.sampler.sample(&mut self.logits, &self.history);
+        let logprob = logprob.map(|lp| lp[next as usize]);
+        if self.stop_ids.contains(&next) {
+            self.done = true;
+            return Ok(Some(Step {
+                token: next,
+                text: String::new(),
+                logprob,
+                top_logprobs,
+                finish: Some(FinishReason::Stop),
+            }));
+        }
+        self.generated += 1;
+        self.history.push(next);
+        let piece = self.utf8.push(&self.tok.decode_bytes(&[next]));
+        let (mut text, hit) = self.stops.push(&piece, &self.params.stop_strings);
+        let finish = if hit {
+            Some(FinishReason::Stop)
+        } else if self.generated == self.params.max_tokens {
+            text.push_str(&self.stops.flush());
+            Some(FinishReason::Length)
+        } else {
+            self.model
+                .decode(next, &mut self.cache, &mut self.logits)
+                .map_err(GenerateError::Model)?;
+            None
+        };
+        self.done = finish.is_some();
+        Ok(Some(Step {
+            token: next,
+            text,
+            logprob,
+            top_logprobs,
+            finish,
+        }))
+    }
+}
+
+/// log-softmax of `logits` (vocab) and its `top` largest entries, most likely first.
+pub fn log_probs(logits: &[f32], top: usize) -> (Vec<f32>, Vec<(u32, f32)>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+    let log_z = max + sum.ln() as f32;
+    let lp: Vec<f32> = logits.iter().map(|&l| l - log_z).collect();
+    let mut idx: Vec<u32> = (0..lp.len() as u32).collect();
+    let desc = |a: &u32, b: &u32| lp[*b as usize].total_cmp(&lp[*a as usize]).then(a.cmp(b));
+    let top = top.min(idx.len());
+    if top > 0 && top < idx.len() {
+        idx.select_nth_unstable_by(top - 1, desc);
+    }
+    idx.truncate(top);
+    idx.sort_unstable_by(desc);
+    let top = idx.into_iter().map(|i| (i, lp[i as usize])).collect();
+    (lp, top)
+}
+
 /// Generate from `prompt` (token ids), calling `on_text` with each piece of
 /// text as it is final.
 pub fn generate<M: Model>(
@@ -119,64 +294,22 @@ pub fn generate<M: Model>(
     params: &GenerateParams,
     mut on_text: impl FnMut(&str),
 ) -> Result<Generation, GenerateError<M::Error>> {
-    let info = model.info();
-    let context = info.context_length;
-    if prompt.len() + params.max_tokens > context {
-        return Err(GenerateError::Context {
-            prompt: prompt.len(),
-            max_tokens: params.max_tokens,
-            context,
-        });
-    }
-    let mut sampler = Sampler::new(params.sampling.clone())?;
-    let stop_ids: Vec<u32> = info
-        .stop_ids
-        .iter()
-        .chain(&params.stop_ids)
-        .copied()
-        .collect();
-    let mut history = prompt.to_vec();
+    let mut g = Generator::start(model, tok, prompt, params)?;
+    let t1 = Instant::now();
     let mut tokens = Vec::new();
     let mut text = String::new();
-    let mut utf8 = Utf8Stream::default();
-    let mut stops = StopFilter::default();
     let mut finish = FinishReason::Length;
-
-    let t0 = Instant::now();
-    let (mut logits, mut cache) = model
-        .prefill(prompt, prompt.len() + params.max_tokens)
-        .map_err(GenerateError::Model)?;
-    let prefill_seconds = t0.elapsed().as_secs_f64();
-    let t1 = Instant::now();
-    for step in 0..params.max_tokens {
-        let next = sampler.sample(&mut logits, &history);
-        if stop_ids.contains(&next) {
-            finish = FinishReason::Stop;
-            break;
+    while let Some(step) = g.next_token()? {
+        if !step.text.is_empty() {
+            on_text(&step.text);
+            text.push_str(&step.text);
         }
-        tokens.push(next);
-        history.push(next);
-        let piece = utf8.push(&tok.decode_bytes(&[next]));
-        let (safe, hit) = stops.push(&piece, &params.stop_strings);
-        if !safe.is_empty() {
-            on_text(&safe);
-            text.push_str(&safe);
+        // A stop token ends the generation but is not part of the output.
+        if g.generated_tokens() > tokens.len() {
+            tokens.push(step.token);
         }
-        if hit {
-            finish = FinishReason::Stop;
-            break;
-        }
-        if step + 1 < params.max_tokens {
-            model
-                .decode(next, &mut cache, &mut logits)
-                .map_err(GenerateError::Model)?;
-        }
-    }
-    if finish == FinishReason::Length {
-        let rest = stops.flush();
-        if !rest.is_empty() {
-            on_text(&rest);
-            text.push_str(&rest);
+        if let Some(f) = step.finish {
+            finish = f;
         }
     }
     Ok(Generation {
@@ -184,14 +317,38 @@ pub fn generate<M: Model>(
         tokens,
         finish,
         prompt_tokens: prompt.len(),
-        prefill_seconds,
+        prefill_seconds: g.prefill_seconds(),
         decode_seconds: t1.elapsed().as_secs_f64(),
     })
 }
 
 #[cfg(test)]
 mod tests {
-    use super::StopFilter;
+    use super::{log_probs, StopFilter};
+
+    #[test]
+    fn log_probs_match_a_naive_f64_log_softmax() {
+        let logits: Vec<f32> = common::testdata::uniform(1000, 7)
+            .iter()
+            .map(|v| v * 30.0)
+            .collect();
+        let (lp, top) = log_probs(&logits, 5);
+        let z: f64 = logits.iter().map(|&l| f64::from(l).exp()).sum();
+        for (i, &l) in logits.iter().enumerate() {
+            let want = f64::from(l) - z.ln();
+            assert!(
+                (f64::from(lp[i]) - want).abs() < 1e-4,
+                "{i}: {} vs {want}",
+                lp[i]
+            );
+        }
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+        let want: Vec<u32> = order[..5].iter().map(|&i| i as u32).collect();
+        let got: Vec<u32> = top.iter().map(|t| t.0).collect();
+        assert_eq!(got, want);
+        assert_eq!(log_probs(&logits, 5000).1.len(), 1000);
+    }
 
     #[test]
     fn stop_string_split_across_pieces_is_caught_and_not_emitted() {

@@ -97,6 +97,8 @@ fn main() -> Result<()> {
                 },
                 stop_ids: vec![],
                 stop_strings: stop,
+                ignore_eos: false,
+                logprobs: None,
             };
             if !chat {
                 print!("{prompt}");

@@ -4,8 +4,9 @@
 
 use common::{Model, ModelInfo};
 use p04_transformer::{GgufFile, Llama};
+use p05_kv_cache::generate::{GenerateParams, Generator};
 use p05_kv_cache::llama_engine::LlamaEngine;
-use p05_kv_cache::sampling::argmax;
+use p05_kv_cache::sampling::{argmax, SamplingParams};
 
 fn info(vocab: usize, ctx: usize) -> ModelInfo {
     ModelInfo {
@@ -77,7 +78,9 @@ fn tiny_llama_cache_equals_full_recompute_at_every_step() {
 fn smollm2_cached_greedy_matches_transformers_and_recompute() {
     let path =
         common::assets::ensure(common::assets::Asset::SmolLm2).unwrap_or_else(|e| panic!("{e}"));
-    let model = Llama::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+    let file = GgufFile::open(&path).unwrap();
+    let tok = p04_transformer::Tokenizer::from_gguf(&file.header).unwrap();
+    let model = Llama::from_gguf(&file).unwrap();
     let engine = LlamaEngine::new(model, info(49152, 8192));
     let fx = common::st::load(&p04_transformer::fixtures_dir().join("smollm2_parity.safetensors"))
         .unwrap();
@@ -105,6 +108,28 @@ fn smollm2_cached_greedy_matches_transformers_and_recompute() {
         }
         assert_eq!(got, want, "prompt {p}: cached greedy continuation");
         assert_eq!(cache.kv.len, prompt.len() + 32);
+        // The step-at-a-time Generator the server drives: same tokens, same
+        // text, and a log-probability for each (the greedy token is the top one).
+        let params = GenerateParams {
+            max_tokens: 32,
+            sampling: SamplingParams::default(),
+            stop_ids: vec![],
+            stop_strings: vec![],
+            ignore_eos: true,
+            logprobs: Some(3),
+        };
+        let mut g = Generator::start(&engine, &tok, &prompt, &params).unwrap();
+        let mut text = String::new();
+        let mut steps = Vec::new();
+        while let Some(step) = g.next_token().unwrap() {
+            text.push_str(&step.text);
+            assert_eq!(step.top_logprobs.len(), 3);
+            assert_eq!(step.top_logprobs[0].0, step.token, "greedy = top logprob");
+            assert_eq!(step.logprob, Some(step.top_logprobs[0].1));
+            steps.push(step.token);
+        }
+        assert_eq!(steps, want, "prompt {p}: Generator tokens");
+        assert_eq!(text, tok.decode(&want), "prompt {p}: Generator text");
     }
     // Logits against a full recompute for a few steps of the chat prompt.
     let prompt: Vec<u32> = fx
