@@ -7,13 +7,25 @@
 //! - [`numbers`]: the `numbers.md` recorder (date, machine, commit, command, metric, value, unit, prediction).
 //! - [`plot`]: line and log-log charts to PNG.
 //! - [`assets`]: locating the workspace and fetching assets through `scripts/fetch_assets.sh`.
+//! - [`model`]: the `Model` seam (logits level); [`openai`]: the OpenAI wire format.
+//! - With the `net` feature: [`engine`] (the `Engine` seam, request level),
+//!   [`client`] (an HTTP client of the OpenAI API, `RemoteEngine`) and
+//!   [`loadgen`] (the load generator and vLLM-style serving metrics).
 
 pub mod alloc_count;
 pub mod assets;
+#[cfg(feature = "net")]
+pub mod client;
 pub mod compare;
+#[cfg(feature = "net")]
+pub mod engine;
+#[cfg(feature = "net")]
+pub mod loadgen;
 pub mod model;
 pub mod numbers;
+pub mod openai;
 pub mod plot;
+pub mod rng;
 pub mod st;
 pub mod stats;
 pub mod tensor;

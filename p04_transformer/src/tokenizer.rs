@@ -33,6 +33,11 @@ pub struct Tokenizer {
     pattern: Regex,
     pub bos_id: Option<u32>,
     pub eos_id: Option<u32>,
+    /// Whether prompts start with BOS (GGUF `tokenizer.ggml.add_bos_token`;
+    /// false when the file does not say, as for GPT-2-style BPE in llama.cpp).
+    pub add_bos: bool,
+    /// The model's Jinja chat template (GGUF `tokenizer.chat_template`), if any.
+    pub chat_template: Option<String>,
 }
 
 /// GPT-2's reversible map from bytes to printable characters: printable
@@ -116,14 +121,20 @@ impl Tokenizer {
             .map(|i| i as u32)
             .collect();
         let id_of = |key: &str| h.get_u64(key).ok().and_then(|v| u32::try_from(v).ok());
-        Tokenizer::build(
+        let mut tok = Tokenizer::build(
             tokens,
             merges,
             &specials,
             id_of("tokenizer.ggml.bos_token_id"),
             id_of("tokenizer.ggml.eos_token_id"),
         )
-        .map_err(cfg)
+        .map_err(cfg)?;
+        tok.add_bos = matches!(h.get("tokenizer.ggml.add_bos_token"), Ok(Value::Bool(true)));
+        tok.chat_template = h
+            .get_str("tokenizer.chat_template")
+            .ok()
+            .map(str::to_string);
+        Ok(tok)
     }
 
     /// Build from a Hugging Face `tokenizer.json` (model BPE, ByteLevel
@@ -257,6 +268,8 @@ impl Tokenizer {
             pattern: Regex::new(GPT2_PATTERN).expect("constant pattern"),
             bos_id: bos.filter(|&v| v < n),
             eos_id: eos.filter(|&v| v < n),
+            add_bos: false,
+            chat_template: None,
         })
     }
 

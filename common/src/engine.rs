@@ -1,0 +1,204 @@
+//! The `Engine` seam (request level): a completion request in, a stream of
+//! text out, ending with a finish reason and usage. The HTTP server, the
+//! batchers, the gateway and the platform are written against this trait, so
+//! a local serial engine, a batching scheduler or a remote OpenAI-compatible
+//! server ([`crate::client::RemoteEngine`]) can stand behind them unchanged.
+//!
+//! Cancellation is by dropping the stream: an engine checks, between steps,
+//! whether its receiver is gone, stops and frees the request's memory.
+
+use std::fmt;
+
+use thiserror::Error;
+use tokio::sync::mpsc;
+
+use crate::openai::ChatMessage;
+
+/// What to complete.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PromptInput {
+    /// Raw text (`/v1/completions`).
+    Text(String),
+    /// Token ids (`/v1/completions` with a token prompt).
+    Tokens(Vec<u32>),
+    /// A conversation; the engine applies the model's chat template.
+    Chat(Vec<ChatMessage>),
+}
+
+/// Sampling settings, already range-checked by the caller.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingSpec {
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// 1 = off.
+    pub top_p: f32,
+    pub top_k: Option<usize>,
+    /// 0 = off.
+    pub min_p: f32,
+    /// 1 = off.
+    pub repetition_penalty: f32,
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingSpec {
+    fn default() -> Self {
+        SamplingSpec {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: None,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            seed: None,
+        }
+    }
+}
+
+/// One completion request as an engine sees it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineRequest {
+    /// The response id (`cmpl-...`, `chatcmpl-...`), for logs and tracing.
+    pub id: String,
+    pub prompt: PromptInput,
+    /// None: up to the end of the context.
+    pub max_tokens: Option<usize>,
+    pub sampling: SamplingSpec,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    /// Some(k): report log p of each token and its k most likely alternatives.
+    pub logprobs: Option<usize>,
+}
+
+impl EngineRequest {
+    pub fn new(id: impl Into<String>, prompt: PromptInput) -> EngineRequest {
+        EngineRequest {
+            id: id.into(),
+            prompt,
+            max_tokens: None,
+            sampling: SamplingSpec::default(),
+            stop: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+        }
+    }
+}
+
+/// Why a request ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// A stop token or stop string.
+    Stop,
+    /// `max_tokens` (or the context) reached.
+    Length,
+    /// Cancelled: the client left, or the server is shutting down.
+    Abort,
+}
+
+impl Finish {
+    /// The OpenAI / vLLM spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+            Finish::Abort => "abort",
+        }
+    }
+}
+
+impl fmt::Display for Finish {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A token's log-probability, with the token as text and bytes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
+}
+
+/// One generated token (or, from a remote engine, one streamed chunk).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenOut {
+    /// Text that became final with this token (may be empty).
+    pub text: String,
+    /// Present when logprobs were asked for.
+    pub logprob: Option<TokenLogprob>,
+    /// Most likely first.
+    pub top_logprobs: Vec<TokenLogprob>,
+}
+
+/// What an engine sends back for a request, in order: any number of
+/// `Token`s, then exactly one `Done` or `Error`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum EngineEvent {
+    Token(TokenOut),
+    Done {
+        finish: Finish,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
+    Error(EngineError),
+}
+
+/// The receiving end of a request. Dropping it cancels the request.
+pub type EngineStream = mpsc::UnboundedReceiver<EngineEvent>;
+
+/// Requests an engine holds now (the `num_requests_*` gauges).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineLoad {
+    pub running: usize,
+    pub waiting: usize,
+}
+
+/// Why an engine refused or failed a request. The HTTP layer maps each to a
+/// status code (see p06's `error.rs`).
+#[derive(Clone, Debug, Error, PartialEq)]
+pub enum EngineError {
+    /// A field is out of range or unsupported (400).
+    #[error("{message}")]
+    InvalidRequest {
+        message: String,
+        param: Option<String>,
+    },
+    /// Prompt plus max_tokens beyond the context (400).
+    #[error("this model's maximum context length is {context} tokens; the request has {prompt} prompt tokens and asks for {max_tokens} more ({} in all)", prompt + max_tokens)]
+    ContextLength {
+        prompt: usize,
+        max_tokens: usize,
+        context: usize,
+    },
+    /// The wait queue is full (429 with Retry-After).
+    #[error("the server is at capacity ({waiting} requests waiting); retry after {retry_after_s} s")]
+    QueueFull { waiting: usize, retry_after_s: u64 },
+    /// Not ready, or shutting down (503).
+    #[error("{0}")]
+    Unavailable(String),
+    /// A remote engine answered with an error status.
+    #[error("upstream answered {status}: {message}")]
+    Upstream { status: u16, message: String },
+    /// A fault of the engine itself (500).
+    #[error("{0}")]
+    Internal(String),
+}
+
+/// A completion engine. `submit` checks and enqueues without blocking; the
+/// work happens elsewhere (a model thread, a remote server) and arrives on
+/// the returned stream.
+pub trait Engine: Send + Sync + fmt::Debug {
+    /// The model name clients pass as `model`.
+    fn model_name(&self) -> &str;
+
+    /// Longest prompt + completion, in tokens, when known.
+    fn context_length(&self) -> Option<usize>;
+
+    /// Requests running and waiting now.
+    fn load(&self) -> EngineLoad;
+
+    fn submit(&self, request: EngineRequest) -> Result<EngineStream, EngineError>;
+
+    /// Stop taking requests and end the ones in flight with `Finish::Abort`
+    /// (a graceful shutdown whose deadline passed).
+    fn abort_all(&self);
+}
