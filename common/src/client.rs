@@ -11,8 +11,8 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 
 use crate::engine::{
-    Engine, EngineError, EngineEvent, EngineLoad, EngineRequest, EngineStream, Finish,
-    PromptInput, TokenOut,
+    Engine, EngineError, EngineEvent, EngineLoad, EngineRequest, EngineStream, Finish, PromptInput,
+    TokenOut,
 };
 use crate::openai::{
     ChatRequest, CommonParams, CompletionRequest, ErrorBody, PromptSpec, StopSpec, StreamOptions,
@@ -48,7 +48,10 @@ impl SseDecoder {
 /// End of the first event (a blank line) and the separator's length.
 fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
     let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| (i, 2));
-    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| (i, 4));
+    let crlf = buf
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|i| (i, 4));
     match (lf, crlf) {
         (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
         (a, b) => a.or(b),
@@ -174,12 +177,15 @@ impl Engine for RemoteEngine {
         EngineLoad {
             running: self.running.load(Ordering::Relaxed),
             waiting: 0,
+            kv_cache_bytes: 0,
         }
     }
 
     fn submit(&self, request: EngineRequest) -> Result<EngineStream, EngineError> {
         if self.closed.load(Ordering::Relaxed) {
-            return Err(EngineError::Unavailable("the engine is shutting down".into()));
+            return Err(EngineError::Unavailable(
+                "the engine is shutting down".into(),
+            ));
         }
         let runtime = tokio::runtime::Handle::try_current()
             .map_err(|_| EngineError::Internal("RemoteEngine needs a tokio runtime".into()))?;
@@ -291,10 +297,10 @@ mod tests {
     fn events_split_across_reads_and_line_endings_are_reassembled() {
         let mut d = SseDecoder::default();
         assert!(d.push(b"data: {\"a\"").is_empty());
-        assert_eq!(d.push(b":1}\n\ndata: x\r\n\r\n: comment\n\ndata"), [
-            "{\"a\":1}",
-            "x"
-        ]);
+        assert_eq!(
+            d.push(b":1}\n\ndata: x\r\n\r\n: comment\n\ndata"),
+            ["{\"a\":1}", "x"]
+        );
         assert_eq!(d.push(b": [DONE]\n\n"), ["[DONE]"]);
     }
 }

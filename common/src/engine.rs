@@ -150,6 +150,8 @@ pub type EngineStream = mpsc::UnboundedReceiver<EngineEvent>;
 pub struct EngineLoad {
     pub running: usize,
     pub waiting: usize,
+    /// K/V cache memory held by running requests.
+    pub kv_cache_bytes: usize,
 }
 
 /// Why an engine refused or failed a request. The HTTP layer maps each to a
@@ -170,7 +172,9 @@ pub enum EngineError {
         context: usize,
     },
     /// The wait queue is full (429 with Retry-After).
-    #[error("the server is at capacity ({waiting} requests waiting); retry after {retry_after_s} s")]
+    #[error(
+        "the server is at capacity ({waiting} requests waiting); retry after {retry_after_s} s"
+    )]
     QueueFull { waiting: usize, retry_after_s: u64 },
     /// Not ready, or shutting down (503).
     #[error("{0}")]

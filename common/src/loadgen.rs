@@ -433,11 +433,26 @@ impl Report {
         line("Failed requests:", self.failed.to_string());
         line("Benchmark duration (s):", format!("{:.2}", self.duration_s));
         line("Total input tokens:", self.total_input_tokens.to_string());
-        line("Total generated tokens:", self.total_output_tokens.to_string());
-        line("Request throughput (req/s):", format!("{:.3}", self.request_throughput));
-        line("Request goodput (req/s):", format!("{:.3}", self.request_goodput));
-        line("Output token throughput (tok/s):", format!("{:.2}", self.output_throughput));
-        line("Total token throughput (tok/s):", format!("{:.2}", self.total_token_throughput));
+        line(
+            "Total generated tokens:",
+            self.total_output_tokens.to_string(),
+        );
+        line(
+            "Request throughput (req/s):",
+            format!("{:.3}", self.request_throughput),
+        );
+        line(
+            "Request goodput (req/s):",
+            format!("{:.3}", self.request_goodput),
+        );
+        line(
+            "Output token throughput (tok/s):",
+            format!("{:.2}", self.output_throughput),
+        );
+        line(
+            "Total token throughput (tok/s):",
+            format!("{:.2}", self.total_token_throughput),
+        );
         for (name, m) in self.metrics() {
             let n = name.to_uppercase();
             line(&format!("Mean {n} (ms):"), format!("{:.2}", m.mean));
@@ -483,7 +498,10 @@ mod tests {
         assert_eq!((r.completed, r.failed), (2, 1));
         assert_eq!(r.total_output_tokens, 16);
         assert!((r.request_throughput - 0.5).abs() < 1e-12);
-        assert!((r.request_goodput - 0.25).abs() < 1e-12, "only one meets TTFT");
+        assert!(
+            (r.request_goodput - 0.25).abs() < 1e-12,
+            "only one meets TTFT"
+        );
         // TPOT: (1.1-0.1)/10 = 100 ms and (2.3-0.3)/4 = 500 ms.
         assert!((r.tpot.mean - 300.0).abs() < 1e-9);
         assert!((r.ttft.median - 200.0).abs() < 1e-9);

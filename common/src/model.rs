@@ -35,4 +35,9 @@ pub trait Model {
         cache: &mut Self::Cache,
         logits: &mut [f32],
     ) -> Result<(), Self::Error>;
+
+    /// Bytes of K/V memory `cache` holds (servers report it as a gauge).
+    fn cache_bytes(&self, _cache: &Self::Cache) -> usize {
+        0
+    }
 }

@@ -215,6 +215,11 @@ impl<'a, M: Model> Generator<'a, M> {
         self.prefill_seconds
     }
 
+    /// K/V memory this generation holds (freed when it is dropped).
+    pub fn cache_bytes(&self) -> usize {
+        self.model.cache_bytes(&self.cache)
+    }
+
     /// Sample the next token and run it through the model (unless it is the
     /// last). `None` once finished. A stop token ends the generation with a
     /// step whose `text` is what was held back and whose token is the stop id.

@@ -128,4 +128,8 @@ impl Model for Gpt2Engine {
     ) -> Result<(), EngineError> {
         self.step(&[token], cache, logits)
     }
+
+    fn cache_bytes(&self, cache: &KvCache) -> usize {
+        cache.allocated_bytes()
+    }
 }

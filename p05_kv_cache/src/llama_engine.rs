@@ -296,4 +296,8 @@ impl Model for LlamaEngine {
     ) -> Result<(), EngineError> {
         self.step(&[token], cache, logits)
     }
+
+    fn cache_bytes(&self, cache: &LlamaCache) -> usize {
+        cache.kv.allocated_bytes()
+    }
 }

@@ -1,1 +1,22 @@
-pub mod x {}
+//! Project 06: an OpenAI-compatible streaming server.
+//!
+//! - [`request`]: JSON in, every field checked, an [`common::engine::EngineRequest`] out.
+//! - [`serial`]: the serial engine: one model thread, a bounded queue, cancellation between steps.
+//! - [`template`]: the model's chat template (Jinja, from the GGUF).
+//! - [`routes`]: the axum router: completions, chat, models, health, metrics; SSE streaming.
+//! - [`response`]: response and chunk objects; [`error`]: OpenAI error bodies and status codes.
+//! - [`metrics`]: Prometheus text with vLLM's names; [`server`]: start, drain, stop.
+//! - [`bench`]: the `bench` command: the load generator against any OpenAI-compatible server.
+
+pub mod bench;
+pub mod error;
+pub mod metrics;
+pub mod request;
+pub mod response;
+pub mod routes;
+pub mod serial;
+pub mod server;
+pub mod template;
+
+pub use routes::{router, AppState};
+pub use serial::SerialEngine;

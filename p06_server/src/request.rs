@@ -1,0 +1,347 @@
+//! From request bytes to an [`EngineRequest`]: JSON parsed with the failing
+//! field named, every value range-checked, unsupported options refused by
+//! name (never silently ignored).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use common::engine::{EngineRequest, PromptInput, SamplingSpec};
+use common::openai::{ChatRequest, CommonParams, CompletionRequest, PromptSpec};
+use serde::de::DeserializeOwned;
+
+use crate::error::ApiError;
+
+/// Which endpoint a request came to (it decides the response's shape).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    Completions,
+    Chat,
+}
+
+/// A checked request and how to answer it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Parsed {
+    pub endpoint: Endpoint,
+    pub engine: EngineRequest,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+/// Most alternatives per token (vLLM's limit; OpenAI's is 5 for completions).
+pub const MAX_TOP_LOGPROBS: i64 = 20;
+/// OpenAI's limit on stop sequences.
+pub const MAX_STOP: usize = 4;
+
+/// Parse a JSON object, naming the field that failed (`max_tokens: invalid type ...`).
+pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    let value: serde_json::Value = serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::bad_body(format!("the body is not valid JSON: {e}")))?;
+    if !value.is_object() {
+        return Err(ApiError::bad_body("the body must be a JSON object"));
+    }
+    from_value(value)
+}
+
+fn from_value<T: DeserializeOwned>(value: serde_json::Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path == "." || path.is_empty() {
+            ApiError::bad_body(format!("invalid request: {inner}"))
+        } else {
+            ApiError::invalid(&path, format!("{path}: {inner}"))
+        }
+    })
+}
+
+/// The endpoints' structs flatten [`CommonParams`] in, and serde loses the
+/// path of a flattened field: parse those fields alone first so a bad one
+/// is named, then the whole request.
+fn parse_request<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    let value: serde_json::Value = parse_json(bytes)?;
+    from_value::<CommonParams>(value.clone())?;
+    from_value(value)
+}
+
+fn next_id(prefix: &str) -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    format!("{prefix}-{:x}{n:06x}", common::openai::unix_now())
+}
+
+/// Check the model name: absent, the served name, or 404.
+pub fn check_model(requested: Option<&str>, served: &str) -> Result<(), ApiError> {
+    match requested {
+        None => Ok(()),
+        Some(m) if m == served => Ok(()),
+        Some(m) => Err(ApiError::model_not_found(m)),
+    }
+}
+
+fn range<T: PartialOrd + Copy + std::fmt::Display>(
+    param: &str,
+    v: Option<T>,
+    ok: impl Fn(T) -> bool,
+    what: &str,
+) -> Result<Option<T>, ApiError> {
+    match v {
+        Some(x) if !ok(x) => Err(ApiError::invalid(
+            param,
+            format!("{param} must be {what}, got {x}"),
+        )),
+        other => Ok(other),
+    }
+}
+
+/// The fields both endpoints share.
+fn common_fields(
+    c: &CommonParams,
+    served: &str,
+    max_tokens: Option<i64>,
+) -> Result<(SamplingSpec, Option<usize>, Vec<String>, bool, bool), ApiError> {
+    check_model(c.model.as_deref(), served)?;
+    range("n", c.n, |n| n == 1, "1 (one choice per request)")?;
+    range("best_of", c.best_of, |n| n == 1, "1")?;
+    range(
+        "presence_penalty",
+        c.presence_penalty,
+        |v| v == 0.0,
+        "0 (not supported)",
+    )?;
+    range(
+        "frequency_penalty",
+        c.frequency_penalty,
+        |v| v == 0.0,
+        "0 (not supported; see repetition_penalty)",
+    )?;
+    if c.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
+        return Err(ApiError::invalid(
+            "logit_bias",
+            "logit_bias is not supported",
+        ));
+    }
+    let max_tokens = range("max_tokens", max_tokens, |m| m >= 1, "at least 1")?;
+    let temperature = range(
+        "temperature",
+        c.temperature,
+        |t| (0.0..=2.0).contains(&t),
+        "in [0, 2]",
+    )?;
+    let top_p = range("top_p", c.top_p, |p| p > 0.0 && p <= 1.0, "in (0, 1]")?;
+    let top_k = range(
+        "top_k",
+        c.top_k,
+        |k| k >= -1,
+        "-1 (off) or a positive count",
+    )?;
+    let min_p = range("min_p", c.min_p, |p| (0.0..=1.0).contains(&p), "in [0, 1]")?;
+    let rep = range(
+        "repetition_penalty",
+        c.repetition_penalty,
+        |r| r > 0.0 && r.is_finite(),
+        "greater than 0",
+    )?;
+    let stop = c.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
+    if stop.len() > MAX_STOP {
+        return Err(ApiError::invalid(
+            "stop",
+            format!("at most {MAX_STOP} stop sequences, got {}", stop.len()),
+        ));
+    }
+    if stop.iter().any(String::is_empty) {
+        return Err(ApiError::invalid(
+            "stop",
+            "stop sequences must not be empty",
+        ));
+    }
+    let stream = c.stream.unwrap_or(false);
+    if c.stream_options.is_some() && !stream {
+        return Err(ApiError::invalid(
+            "stream_options",
+            "stream_options is only allowed when stream is true",
+        ));
+    }
+    let include_usage = c.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let sampling = SamplingSpec {
+        temperature: temperature.unwrap_or(1.0),
+        top_p: top_p.unwrap_or(1.0),
+        top_k: top_k.filter(|&k| k > 0).map(|k| k as usize),
+        min_p: min_p.unwrap_or(0.0),
+        repetition_penalty: rep.unwrap_or(1.0),
+        seed: c.seed.map(|s| s as u64),
+    };
+    Ok((
+        sampling,
+        max_tokens.map(|m| m as usize),
+        stop,
+        stream,
+        include_usage,
+    ))
+}
+
+/// `POST /v1/completions`.
+pub fn completion(bytes: &[u8], served: &str) -> Result<Parsed, ApiError> {
+    let r: CompletionRequest = parse_request(bytes)?;
+    let (sampling, max_tokens, stop, stream, include_usage) =
+        common_fields(&r.common, served, r.common.max_tokens)?;
+    if r.echo == Some(true) {
+        return Err(ApiError::invalid("echo", "echo is not supported"));
+    }
+    if r.suffix.is_some() {
+        return Err(ApiError::invalid("suffix", "suffix is not supported"));
+    }
+    let logprobs = range(
+        "logprobs",
+        r.logprobs,
+        |k| (0..=MAX_TOP_LOGPROBS).contains(&k),
+        "in [0, 20]",
+    )?;
+    let prompt = match r.prompt {
+        None => return Err(ApiError::invalid("prompt", "prompt is required")),
+        Some(PromptSpec::Text(t)) => PromptInput::Text(t),
+        Some(PromptSpec::Texts(mut v)) if v.len() == 1 => PromptInput::Text(v.remove(0)),
+        Some(PromptSpec::Texts(v)) => {
+            return Err(ApiError::invalid(
+                "prompt",
+                format!("one prompt per request is supported, got {}", v.len()),
+            ))
+        }
+        Some(PromptSpec::Tokens(ids)) => PromptInput::Tokens(ids),
+    };
+    let mut engine = EngineRequest::new(next_id("cmpl"), prompt);
+    engine.max_tokens = Some(max_tokens.unwrap_or(16)); // OpenAI's default for completions
+    engine.sampling = sampling;
+    engine.stop = stop;
+    engine.ignore_eos = r.common.ignore_eos.unwrap_or(false);
+    engine.logprobs = logprobs.map(|k| k as usize);
+    Ok(Parsed {
+        endpoint: Endpoint::Completions,
+        engine,
+        stream,
+        include_usage,
+    })
+}
+
+/// `POST /v1/chat/completions`.
+pub fn chat(bytes: &[u8], served: &str) -> Result<Parsed, ApiError> {
+    let r: ChatRequest = parse_request(bytes)?;
+    let (max_param, max) = match r.max_completion_tokens {
+        Some(m) => ("max_completion_tokens", Some(m)),
+        None => ("max_tokens", r.common.max_tokens),
+    };
+    let (sampling, max_tokens, stop, stream, include_usage) = common_fields(&r.common, served, max)
+        .map_err(|mut e| {
+            if e.param.as_deref() == Some("max_tokens") {
+                e.param = Some(max_param.to_string());
+                e.message = e.message.replacen("max_tokens", max_param, 1);
+            }
+            e
+        })?;
+    if r.tools.as_ref().is_some_and(|t| !t.is_null()) {
+        return Err(ApiError::invalid("tools", "tool calling is not supported"));
+    }
+    let top = range(
+        "top_logprobs",
+        r.top_logprobs,
+        |k| (0..=MAX_TOP_LOGPROBS).contains(&k),
+        "in [0, 20]",
+    )?;
+    let logprobs = match (r.logprobs.unwrap_or(false), top) {
+        (true, k) => Some(k.unwrap_or(0) as usize),
+        (false, None) => None,
+        (false, Some(_)) => {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                "top_logprobs needs logprobs set to true",
+            ))
+        }
+    };
+    let Some(messages) = r.messages else {
+        return Err(ApiError::invalid("messages", "messages is required"));
+    };
+    let mut engine = EngineRequest::new(next_id("chatcmpl"), PromptInput::Chat(messages));
+    engine.max_tokens = max_tokens;
+    engine.sampling = sampling;
+    engine.stop = stop;
+    engine.ignore_eos = r.common.ignore_eos.unwrap_or(false);
+    engine.logprobs = logprobs;
+    Ok(Parsed {
+        endpoint: Endpoint::Chat,
+        engine,
+        stream,
+        include_usage,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(body: &str) -> ApiError {
+        chat(body.as_bytes(), "m").unwrap_err()
+    }
+
+    #[test]
+    fn wrong_types_and_ranges_name_the_field() {
+        let e = err(r#"{"messages": [], "max_tokens": "ten"}"#);
+        assert_eq!(e.param.as_deref(), Some("max_tokens"), "{e:?}");
+        let e = err(r#"{"messages": [{"role": "user", "content": 5}]}"#);
+        assert!(e.param.unwrap().starts_with("messages[0]"));
+        assert_eq!(
+            err(r#"{"messages": [], "temperature": 2.5}"#)
+                .param
+                .as_deref(),
+            Some("temperature")
+        );
+        assert_eq!(
+            err(r#"{"messages": [], "top_p": 0}"#).param.as_deref(),
+            Some("top_p")
+        );
+        assert_eq!(
+            err(r#"{"messages": [], "n": 2}"#).param.as_deref(),
+            Some("n")
+        );
+        assert_eq!(
+            err(r#"{"messages": [], "max_completion_tokens": 0}"#)
+                .param
+                .as_deref(),
+            Some("max_completion_tokens")
+        );
+        assert_eq!(
+            err(r#"{"messages": [], "stream_options": {}}"#)
+                .param
+                .as_deref(),
+            Some("stream_options")
+        );
+        assert_eq!(
+            err(r#"{"messages": [], "top_logprobs": 2}"#)
+                .param
+                .as_deref(),
+            Some("top_logprobs")
+        );
+        assert_eq!(
+            err(r#"{"messages": [], "model": "other"}"#).status.as_u16(),
+            404
+        );
+        assert_eq!(err(r#"{"messages": [}"#).param, None);
+        assert_eq!(err("[1]").status.as_u16(), 400);
+    }
+
+    #[test]
+    fn fields_reach_the_engine_request() {
+        let p = completion(
+            br#"{"prompt": ["hi"], "max_tokens": 7, "temperature": 0, "top_k": -1,
+                 "stop": "x", "seed": 3, "logprobs": 2, "stream": true,
+                 "stream_options": {"include_usage": true}, "ignore_eos": true}"#,
+            "m",
+        )
+        .unwrap();
+        assert_eq!(p.engine.prompt, PromptInput::Text("hi".into()));
+        assert_eq!(p.engine.max_tokens, Some(7));
+        assert_eq!(p.engine.sampling.temperature, 0.0);
+        assert_eq!(p.engine.sampling.top_k, None);
+        assert_eq!(p.engine.sampling.seed, Some(3));
+        assert_eq!(p.engine.stop, ["x"]);
+        assert_eq!(p.engine.logprobs, Some(2));
+        assert!(p.stream && p.include_usage && p.engine.ignore_eos);
+    }
+}

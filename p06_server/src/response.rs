@@ -1,0 +1,203 @@
+//! Building responses: whole `chat.completion` / `text_completion` objects,
+//! and the streamed `chat.completion.chunk` / `text_completion` frames.
+
+use common::engine::{Finish, TokenLogprob, TokenOut};
+use common::openai::{
+    self, ChatChoice, ChatLogprobs, ChatResponse, CompletionChoice, CompletionLogprobs,
+    CompletionResponse, ResponseMessage, TopLogprob, Usage,
+};
+use serde_json::{json, Value};
+
+use crate::request::Endpoint;
+
+/// Shapes every frame of one response (same id, time and model throughout).
+#[derive(Clone, Debug)]
+pub struct Builder {
+    pub endpoint: Endpoint,
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    /// Whether the request asked for logprobs.
+    pub logprobs: bool,
+}
+
+fn chat_logprob(t: &TokenOut) -> Option<openai::TokenLogprob> {
+    let lp = t.logprob.as_ref()?;
+    let top = |x: &TokenLogprob| TopLogprob {
+        token: x.token.clone(),
+        logprob: x.logprob,
+        bytes: x.bytes.clone(),
+    };
+    Some(openai::TokenLogprob {
+        token: lp.token.clone(),
+        logprob: lp.logprob,
+        bytes: lp.bytes.clone(),
+        top_logprobs: t.top_logprobs.iter().map(top).collect(),
+    })
+}
+
+/// Completions' logprobs for `tokens`, whose text starts at `offset`.
+fn completion_logprobs(tokens: &[TokenOut], mut offset: usize) -> CompletionLogprobs {
+    let mut out = CompletionLogprobs::default();
+    for t in tokens {
+        let Some(lp) = &t.logprob else { continue };
+        out.tokens.push(lp.token.clone());
+        out.token_logprobs.push(lp.logprob);
+        out.top_logprobs.push(
+            t.top_logprobs
+                .iter()
+                .map(|x| (x.token.clone(), json!(x.logprob)))
+                .collect(),
+        );
+        out.text_offset.push(offset);
+        offset += t.text.len();
+    }
+    out
+}
+
+impl Builder {
+    fn chat(&self, choices: Vec<ChatChoice>, usage: Option<Usage>, object: &str) -> Value {
+        serde_json::to_value(ChatResponse {
+            id: self.id.clone(),
+            object: object.into(),
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage,
+        })
+        .unwrap_or(Value::Null)
+    }
+
+    fn completion(&self, choices: Vec<CompletionChoice>, usage: Option<Usage>) -> Value {
+        serde_json::to_value(CompletionResponse {
+            id: self.id.clone(),
+            object: "text_completion".into(),
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage,
+        })
+        .unwrap_or(Value::Null)
+    }
+
+    /// The chat stream's opening frame (the assistant role, no content).
+    pub fn role_chunk(&self) -> Option<Value> {
+        (self.endpoint == Endpoint::Chat).then(|| {
+            let delta = ResponseMessage {
+                role: Some("assistant".into()),
+                content: Some(String::new()),
+            };
+            self.chat(
+                vec![chat_choice(None, Some(delta), None, None)],
+                None,
+                CHUNK,
+            )
+        })
+    }
+
+    /// One token's frame; `offset` is the byte offset of its text.
+    pub fn token_chunk(&self, t: &TokenOut, offset: usize) -> Value {
+        match self.endpoint {
+            Endpoint::Chat => {
+                let delta = ResponseMessage {
+                    role: None,
+                    content: Some(t.text.clone()),
+                };
+                let lp = self.logprobs.then(|| ChatLogprobs {
+                    content: chat_logprob(t).into_iter().collect(),
+                });
+                self.chat(vec![chat_choice(None, Some(delta), lp, None)], None, CHUNK)
+            }
+            Endpoint::Completions => {
+                let lp = self
+                    .logprobs
+                    .then(|| completion_logprobs(std::slice::from_ref(t), offset));
+                self.completion(vec![completion_choice(t.text.clone(), lp, None)], None)
+            }
+        }
+    }
+
+    /// The frame that carries the finish reason.
+    pub fn finish_chunk(&self, finish: Finish) -> Value {
+        let reason = Some(finish.as_str().to_string());
+        match self.endpoint {
+            Endpoint::Chat => self.chat(
+                vec![chat_choice(
+                    None,
+                    Some(ResponseMessage::default()),
+                    None,
+                    reason,
+                )],
+                None,
+                CHUNK,
+            ),
+            Endpoint::Completions => {
+                self.completion(vec![completion_choice(String::new(), None, reason)], None)
+            }
+        }
+    }
+
+    /// `stream_options.include_usage`: a last frame with no choices.
+    pub fn usage_chunk(&self, usage: Usage) -> Value {
+        match self.endpoint {
+            Endpoint::Chat => self.chat(vec![], Some(usage), CHUNK),
+            Endpoint::Completions => self.completion(vec![], Some(usage)),
+        }
+    }
+
+    /// The whole (non-streamed) response.
+    pub fn full(&self, tokens: &[TokenOut], finish: Finish, usage: Usage) -> Value {
+        let text: String = tokens.iter().map(|t| t.text.as_str()).collect();
+        let reason = Some(finish.as_str().to_string());
+        match self.endpoint {
+            Endpoint::Chat => {
+                let lp = self.logprobs.then(|| ChatLogprobs {
+                    content: tokens.iter().filter_map(chat_logprob).collect(),
+                });
+                let msg = ResponseMessage {
+                    role: Some("assistant".into()),
+                    content: Some(text),
+                };
+                self.chat(
+                    vec![chat_choice(Some(msg), None, lp, reason)],
+                    Some(usage),
+                    "chat.completion",
+                )
+            }
+            Endpoint::Completions => {
+                let lp = self.logprobs.then(|| completion_logprobs(tokens, 0));
+                self.completion(vec![completion_choice(text, lp, reason)], Some(usage))
+            }
+        }
+    }
+}
+
+const CHUNK: &str = "chat.completion.chunk";
+
+fn chat_choice(
+    message: Option<ResponseMessage>,
+    delta: Option<ResponseMessage>,
+    logprobs: Option<ChatLogprobs>,
+    finish_reason: Option<String>,
+) -> ChatChoice {
+    ChatChoice {
+        index: 0,
+        message,
+        delta,
+        logprobs,
+        finish_reason,
+    }
+}
+
+fn completion_choice(
+    text: String,
+    logprobs: Option<CompletionLogprobs>,
+    finish_reason: Option<String>,
+) -> CompletionChoice {
+    CompletionChoice {
+        index: 0,
+        text,
+        logprobs,
+        finish_reason,
+    }
+}

@@ -1,0 +1,335 @@
+//! The HTTP layer: routes, and one handler that turns a request into an
+//! engine submission and the engine's events into a JSON response or a
+//! stream of server-sent events. It holds no model state: everything
+//! behind [`Engine`] can be swapped (serial, batching, remote).
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{header, StatusCode, Uri};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use common::engine::{Engine, EngineEvent, Finish, TokenOut};
+use common::openai::{ModelCard, ModelList, Usage};
+use serde_json::Value;
+
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::request::{self, Endpoint, Parsed};
+use crate::response::Builder;
+
+/// Everything the handlers share.
+#[derive(Clone, Debug)]
+pub struct AppState {
+    pub engine: Arc<dyn Engine>,
+    pub metrics: Arc<Metrics>,
+    /// False until the model is loaded (`/health` answers 503).
+    pub ready: Arc<AtomicBool>,
+    /// Set at shutdown: new requests get 503 while in-flight ones finish.
+    pub draining: Arc<AtomicBool>,
+    pub max_body_bytes: usize,
+}
+
+impl AppState {
+    pub fn new(engine: Arc<dyn Engine>, max_body_bytes: usize) -> AppState {
+        let metrics = Arc::new(Metrics::new(engine.model_name()));
+        AppState {
+            engine,
+            metrics,
+            ready: Arc::new(AtomicBool::new(true)),
+            draining: Arc::new(AtomicBool::new(false)),
+            max_body_bytes,
+        }
+    }
+}
+
+/// The whole API, without a socket (tests can call it directly).
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(|uri: Uri| async move { ApiError::not_found(uri.path()) })
+        .with_state(state)
+}
+
+async fn health(State(st): State<AppState>) -> Response {
+    if !st.ready.load(Ordering::SeqCst) {
+        return ApiError::unavailable("the model is loading").into_response();
+    }
+    if st.draining.load(Ordering::SeqCst) {
+        return ApiError::unavailable("the server is shutting down").into_response();
+    }
+    (StatusCode::OK, "ok").into_response()
+}
+
+async fn metrics(State(st): State<AppState>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        st.metrics.render(st.engine.load()),
+    )
+        .into_response()
+}
+
+async fn models(State(st): State<AppState>) -> Json<ModelList> {
+    Json(ModelList {
+        object: "list".into(),
+        data: vec![ModelCard {
+            id: st.engine.model_name().to_string(),
+            object: "model".into(),
+            created: common::openai::unix_now(),
+            owned_by: "inference-lab".into(),
+            max_model_len: st.engine.context_length(),
+        }],
+    })
+}
+
+async fn completions(State(st): State<AppState>, body: Body) -> Response {
+    handle(st, Endpoint::Completions, body).await
+}
+
+async fn chat_completions(State(st): State<AppState>, body: Body) -> Response {
+    handle(st, Endpoint::Chat, body).await
+}
+
+/// Read (with the size limit), parse, submit, answer.
+async fn handle(st: AppState, endpoint: Endpoint, body: Body) -> Response {
+    match serve_request(st, endpoint, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn serve_request(st: AppState, endpoint: Endpoint, body: Body) -> Result<Response, ApiError> {
+    let arrival = Instant::now();
+    let bytes = axum::body::to_bytes(body, st.max_body_bytes)
+        .await
+        .map_err(|_| ApiError::too_large(st.max_body_bytes))?;
+    if !st.ready.load(Ordering::SeqCst) {
+        return Err(ApiError::unavailable("the model is loading"));
+    }
+    if st.draining.load(Ordering::SeqCst) {
+        return Err(ApiError::unavailable("the server is shutting down"));
+    }
+    let served = st.engine.model_name().to_string();
+    let parsed = match endpoint {
+        Endpoint::Completions => request::completion(&bytes, &served)?,
+        Endpoint::Chat => request::chat(&bytes, &served)?,
+    };
+    let builder = Builder {
+        endpoint,
+        id: parsed.engine.id.clone(),
+        created: common::openai::unix_now(),
+        model: served,
+        logprobs: parsed.engine.logprobs.is_some(),
+    };
+    let mut events = st.engine.submit(parsed.engine.clone())?;
+    let mut tracker = Tracker::new(st.metrics.clone(), arrival);
+    // Wait for the first event, so that a refusal becomes a status code
+    // rather than an error inside a 200 stream.
+    let first = match events.recv().await {
+        Some(EngineEvent::Error(e)) => {
+            tracker.done = true;
+            return Err(e.into());
+        }
+        Some(ev) => ev,
+        None => return Err(ApiError::unavailable("the engine stopped")),
+    };
+    if parsed.stream {
+        Ok(stream_response(parsed, builder, tracker, first, events))
+    } else {
+        collect_response(builder, tracker, first, events).await
+    }
+}
+
+/// Records a request's latencies as its events pass; if it is dropped before
+/// the end (the client left) it records the request as aborted.
+#[derive(Debug)]
+struct Tracker {
+    metrics: Arc<Metrics>,
+    arrival: Instant,
+    last_token: Option<Instant>,
+    generated: usize,
+    done: bool,
+}
+
+impl Tracker {
+    fn new(metrics: Arc<Metrics>, arrival: Instant) -> Tracker {
+        Tracker {
+            metrics,
+            arrival,
+            last_token: None,
+            generated: 0,
+            done: false,
+        }
+    }
+
+    fn token(&mut self) {
+        let now = Instant::now();
+        match self.last_token {
+            None => self.metrics.first_token((now - self.arrival).as_secs_f64()),
+            Some(t) => self.metrics.inter_token((now - t).as_secs_f64()),
+        }
+        self.last_token = Some(now);
+        self.generated += 1;
+    }
+
+    fn finish(&mut self, finish: Finish, prompt_tokens: usize, generated: usize) {
+        self.done = true;
+        let e2e = self.arrival.elapsed().as_secs_f64();
+        self.metrics.finished(finish, prompt_tokens, generated, e2e);
+    }
+}
+
+impl Drop for Tracker {
+    fn drop(&mut self) {
+        if !self.done {
+            self.finish(Finish::Abort, 0, self.generated);
+        }
+    }
+}
+
+async fn collect_response(
+    builder: Builder,
+    mut tracker: Tracker,
+    first: EngineEvent,
+    mut events: common::engine::EngineStream,
+) -> Result<Response, ApiError> {
+    let mut tokens: Vec<TokenOut> = Vec::new();
+    let mut next = Some(first);
+    while let Some(ev) = next {
+        match ev {
+            EngineEvent::Token(t) => {
+                tracker.token();
+                tokens.push(t);
+            }
+            EngineEvent::Done {
+                finish,
+                prompt_tokens,
+                completion_tokens,
+            } => {
+                tracker.finish(finish, prompt_tokens, completion_tokens);
+                let usage = Usage::new(prompt_tokens, completion_tokens);
+                return Ok(Json(builder.full(&tokens, finish, usage)).into_response());
+            }
+            EngineEvent::Error(e) => {
+                tracker.finish(Finish::Abort, 0, tokens.len());
+                return Err(e.into());
+            }
+        }
+        next = events.recv().await;
+    }
+    Err(ApiError::unavailable("the engine stopped mid-request"))
+}
+
+/// What the SSE stream still has to send.
+struct StreamState {
+    builder: Builder,
+    tracker: Tracker,
+    events: common::engine::EngineStream,
+    include_usage: bool,
+    /// Frames ready to go, in order.
+    queue: std::collections::VecDeque<Event>,
+    offset: usize,
+    finished: bool,
+}
+
+fn data(v: &Value) -> Event {
+    Event::default().data(v.to_string())
+}
+
+impl StreamState {
+    /// Turn one engine event into frames.
+    fn push(&mut self, ev: EngineEvent) {
+        match ev {
+            EngineEvent::Token(t) => {
+                self.tracker.token();
+                if !t.text.is_empty() || t.logprob.is_some() {
+                    let v = self.builder.token_chunk(&t, self.offset);
+                    self.queue.push_back(data(&v));
+                }
+                self.offset += t.text.len();
+            }
+            EngineEvent::Done {
+                finish,
+                prompt_tokens,
+                completion_tokens,
+            } => {
+                self.tracker
+                    .finish(finish, prompt_tokens, completion_tokens);
+                self.queue
+                    .push_back(data(&self.builder.finish_chunk(finish)));
+                if self.include_usage {
+                    let u = Usage::new(prompt_tokens, completion_tokens);
+                    self.queue.push_back(data(&self.builder.usage_chunk(u)));
+                }
+                self.queue.push_back(Event::default().data("[DONE]"));
+                self.finished = true;
+            }
+            EngineEvent::Error(e) => {
+                self.tracker
+                    .finish(Finish::Abort, 0, self.tracker.generated);
+                let body = serde_json::to_value(ApiError::from(e).body()).unwrap_or(Value::Null);
+                self.queue.push_back(data(&body));
+                self.queue.push_back(Event::default().data("[DONE]"));
+                self.finished = true;
+            }
+        }
+    }
+}
+
+fn stream_response(
+    parsed: Parsed,
+    builder: Builder,
+    tracker: Tracker,
+    first: EngineEvent,
+    events: common::engine::EngineStream,
+) -> Response {
+    let mut state = StreamState {
+        builder,
+        tracker,
+        events,
+        include_usage: parsed.include_usage,
+        queue: Default::default(),
+        offset: 0,
+        finished: false,
+    };
+    if let Some(role) = state.builder.role_chunk() {
+        state.queue.push_back(data(&role));
+    }
+    state.push(first);
+    // When the client disconnects, hyper drops this stream, and with it the
+    // engine's receiver: the engine sees that before its next step.
+    let stream = futures_util::stream::unfold(state, |mut s| async move {
+        loop {
+            if let Some(ev) = s.queue.pop_front() {
+                return Some((Ok::<Event, Infallible>(ev), s));
+            }
+            if s.finished {
+                return None;
+            }
+            match s.events.recv().await {
+                Some(ev) => s.push(ev),
+                None => {
+                    s.push(EngineEvent::Error(common::engine::EngineError::Internal(
+                        "the engine stopped mid-request".into(),
+                    )));
+                }
+            }
+        }
+    });
+    Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}

@@ -1,0 +1,350 @@
+//! The serial engine: one OS thread owns the model and serves requests one
+//! at a time from a bounded queue (Projects 07 and 08 batch them).
+//!
+//! `submit` runs on the HTTP side: it tokenizes, checks the request against
+//! the context and queues it (or answers "queue full" at once). The model
+//! thread prefills, then decodes one token per step, sending each token as
+//! it is made; before every step it checks whether the client is still
+//! there, so a disconnect ends the work within one step and drops the
+//! request's KV cache.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use common::engine::{
+    Engine, EngineError, EngineEvent, EngineLoad, EngineRequest, EngineStream, Finish, PromptInput,
+    TokenLogprob, TokenOut,
+};
+use common::Model;
+use p04_transformer::Tokenizer;
+use p05_kv_cache::generate::{FinishReason, GenerateError, GenerateParams, Generator, Step};
+use p05_kv_cache::sampling::SamplingParams;
+use tokio::sync::mpsc;
+
+use crate::template::ChatTemplate;
+
+/// A queued request: token ids, settings, and where its events go.
+#[derive(Debug)]
+struct Job {
+    prompt: Vec<u32>,
+    params: GenerateParams,
+    events: mpsc::UnboundedSender<EngineEvent>,
+}
+
+/// Counters shared by the HTTP side and the model thread.
+#[derive(Debug, Default)]
+struct Shared {
+    waiting: AtomicUsize,
+    running: AtomicUsize,
+    kv_cache_bytes: AtomicUsize,
+    /// Set by `abort_all`: refuse new work, end the running request.
+    closing: AtomicBool,
+    /// Seconds per finished request, smoothed (f64 bits): the Retry-After hint.
+    service_s: AtomicU64,
+    seed_counter: AtomicU64,
+}
+
+#[derive(Debug)]
+pub struct SerialEngine {
+    name: String,
+    context: usize,
+    vocab: usize,
+    tokenizer: Arc<Tokenizer>,
+    template: ChatTemplate,
+    queue: mpsc::Sender<Job>,
+    shared: Arc<Shared>,
+    worker: Option<JoinHandle<()>>,
+}
+
+impl SerialEngine {
+    /// Start the model thread. `max_waiting` bounds the queue (≥ 1).
+    pub fn start<M>(
+        model: Arc<M>,
+        tokenizer: Arc<Tokenizer>,
+        name: &str,
+        max_waiting: usize,
+    ) -> Result<SerialEngine, String>
+    where
+        M: Model + Send + Sync + 'static,
+    {
+        let info = model.info().clone();
+        let token = |id: Option<u32>| id.map(|i| tokenizer.decode(&[i])).unwrap_or_default();
+        let template = ChatTemplate::new(
+            tokenizer.chat_template.as_deref(),
+            &token(tokenizer.bos_id),
+            &token(tokenizer.eos_id),
+        )?;
+        let (queue, rx) = mpsc::channel(max_waiting.max(1));
+        let shared = Arc::new(Shared {
+            seed_counter: AtomicU64::new(common::openai::unix_now()),
+            ..Shared::default()
+        });
+        let worker = {
+            let (tok, shared) = (tokenizer.clone(), shared.clone());
+            std::thread::Builder::new()
+                .name("model".into())
+                .spawn(move || model_thread(&*model, &tok, rx, &shared))
+                .map_err(|e| format!("cannot start the model thread: {e}"))?
+        };
+        Ok(SerialEngine {
+            name: name.to_string(),
+            context: info.context_length,
+            vocab: info.vocab_size,
+            tokenizer,
+            template,
+            queue,
+            shared,
+            worker: Some(worker),
+        })
+    }
+
+    /// Token ids for a prompt (BOS first when the tokenizer says so).
+    fn encode(&self, prompt: &PromptInput) -> Result<Vec<u32>, EngineError> {
+        let invalid = |param: &str, message: String| EngineError::InvalidRequest {
+            message,
+            param: Some(param.to_string()),
+        };
+        let text = match prompt {
+            PromptInput::Tokens(ids) => {
+                if let Some(bad) = ids.iter().find(|&&i| i as usize >= self.vocab) {
+                    return Err(invalid(
+                        "prompt",
+                        format!(
+                            "token id {bad} is outside the vocabulary (0..{})",
+                            self.vocab
+                        ),
+                    ));
+                }
+                return Ok(ids.clone());
+            }
+            PromptInput::Text(t) => t.clone(),
+            PromptInput::Chat(messages) => {
+                self.template
+                    .render(messages)
+                    .map_err(|e| EngineError::InvalidRequest {
+                        message: e.message,
+                        param: e.param,
+                    })?
+            }
+        };
+        let mut ids: Vec<u32> = Vec::new();
+        if self.tokenizer.add_bos {
+            ids.extend(self.tokenizer.bos_id);
+        }
+        ids.extend(self.tokenizer.encode(&text));
+        Ok(ids)
+    }
+}
+
+impl Engine for SerialEngine {
+    fn model_name(&self) -> &str {
+        &self.name
+    }
+
+    fn context_length(&self) -> Option<usize> {
+        Some(self.context)
+    }
+
+    fn load(&self) -> EngineLoad {
+        EngineLoad {
+            running: self.shared.running.load(Ordering::SeqCst),
+            waiting: self.shared.waiting.load(Ordering::SeqCst),
+            kv_cache_bytes: self.shared.kv_cache_bytes.load(Ordering::SeqCst),
+        }
+    }
+
+    fn submit(&self, request: EngineRequest) -> Result<EngineStream, EngineError> {
+        if self.shared.closing.load(Ordering::SeqCst) {
+            return Err(EngineError::Unavailable(
+                "the server is shutting down".into(),
+            ));
+        }
+        let prompt = self.encode(&request.prompt)?;
+        if prompt.is_empty() {
+            return Err(EngineError::InvalidRequest {
+                message: "the prompt is empty".into(),
+                param: Some("prompt".into()),
+            });
+        }
+        let room = self.context.saturating_sub(prompt.len());
+        let max_tokens = request.max_tokens.unwrap_or(room);
+        if max_tokens == 0 || prompt.len() + max_tokens > self.context {
+            return Err(EngineError::ContextLength {
+                prompt: prompt.len(),
+                max_tokens,
+                context: self.context,
+            });
+        }
+        let s = &request.sampling;
+        let sampling = SamplingParams {
+            temperature: s.temperature,
+            top_k: s.top_k,
+            top_p: s.top_p,
+            min_p: s.min_p,
+            repetition_penalty: s.repetition_penalty,
+            seed: s
+                .seed
+                .unwrap_or_else(|| self.shared.seed_counter.fetch_add(1, Ordering::Relaxed)),
+        };
+        sampling
+            .validate()
+            .map_err(|e| EngineError::InvalidRequest {
+                message: e.to_string(),
+                param: None,
+            })?;
+        let (events, rx) = mpsc::unbounded_channel();
+        let job = Job {
+            prompt,
+            params: GenerateParams {
+                max_tokens,
+                sampling,
+                stop_ids: Vec::new(),
+                stop_strings: request.stop,
+                ignore_eos: request.ignore_eos,
+                logprobs: request.logprobs,
+            },
+            events,
+        };
+        self.shared.waiting.fetch_add(1, Ordering::SeqCst);
+        if let Err(e) = self.queue.try_send(job) {
+            let waiting = self.shared.waiting.fetch_sub(1, Ordering::SeqCst) - 1;
+            return Err(match e {
+                mpsc::error::TrySendError::Full(_) => {
+                    let per = f64::from_bits(self.shared.service_s.load(Ordering::Relaxed));
+                    EngineError::QueueFull {
+                        waiting,
+                        retry_after_s: ((waiting + 1) as f64 * per).ceil().max(1.0) as u64,
+                    }
+                }
+                mpsc::error::TrySendError::Closed(_) => {
+                    EngineError::Unavailable("the model thread has stopped".into())
+                }
+            });
+        }
+        Ok(rx)
+    }
+
+    fn abort_all(&self) {
+        self.shared.closing.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Drop for SerialEngine {
+    fn drop(&mut self) {
+        self.shared.closing.store(true, Ordering::SeqCst);
+        // Closing the queue ends the model thread after its current step.
+        let (dead, _) = mpsc::channel(1);
+        drop(std::mem::replace(&mut self.queue, dead));
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+fn model_thread<M: Model>(
+    model: &M,
+    tok: &Tokenizer,
+    mut queue: mpsc::Receiver<Job>,
+    shared: &Shared,
+) {
+    while let Some(job) = queue.blocking_recv() {
+        shared.running.fetch_add(1, Ordering::SeqCst);
+        shared.waiting.fetch_sub(1, Ordering::SeqCst);
+        let t0 = Instant::now();
+        let outcome = run_job(model, tok, &job, shared);
+        shared.kv_cache_bytes.store(0, Ordering::SeqCst);
+        shared.running.fetch_sub(1, Ordering::SeqCst);
+        let _ = job.events.send(match outcome {
+            Ok((finish, prompt_tokens, completion_tokens)) => EngineEvent::Done {
+                finish,
+                prompt_tokens,
+                completion_tokens,
+            },
+            Err(e) => EngineEvent::Error(e),
+        });
+        let s = t0.elapsed().as_secs_f64();
+        let old = f64::from_bits(shared.service_s.load(Ordering::Relaxed));
+        let new = if old == 0.0 { s } else { 0.8 * old + 0.2 * s };
+        shared.service_s.store(new.to_bits(), Ordering::Relaxed);
+    }
+}
+
+/// Generate for one job until it finishes or is cancelled; returns the
+/// finish reason and token counts. The generator (and with it the KV cache)
+/// is dropped on return.
+fn run_job<M: Model>(
+    model: &M,
+    tok: &Tokenizer,
+    job: &Job,
+    shared: &Shared,
+) -> Result<(Finish, usize, usize), EngineError> {
+    let cancelled = || job.events.is_closed() || shared.closing.load(Ordering::SeqCst);
+    let prompt_tokens = job.prompt.len();
+    if cancelled() {
+        return Ok((Finish::Abort, prompt_tokens, 0));
+    }
+    let mut gen = match Generator::start(model, tok, &job.prompt, &job.params) {
+        Ok(g) => g,
+        Err(e) => {
+            return Err(match e {
+                GenerateError::Context {
+                    prompt,
+                    max_tokens,
+                    context,
+                } => EngineError::ContextLength {
+                    prompt,
+                    max_tokens,
+                    context,
+                },
+                GenerateError::Sampling(s) => EngineError::InvalidRequest {
+                    message: s.to_string(),
+                    param: None,
+                },
+                GenerateError::Model(m) => EngineError::Internal(m.to_string()),
+            })
+        }
+    };
+    shared
+        .kv_cache_bytes
+        .store(gen.cache_bytes(), Ordering::SeqCst);
+    loop {
+        if cancelled() {
+            return Ok((Finish::Abort, prompt_tokens, gen.generated_tokens()));
+        }
+        let before = gen.generated_tokens();
+        let step = match gen.next_token() {
+            Ok(Some(step)) => step,
+            Ok(None) => return Ok((Finish::Length, prompt_tokens, gen.generated_tokens())),
+            Err(e) => return Err(EngineError::Internal(e.to_string())),
+        };
+        // A stop token is not output: only count and send real tokens.
+        if gen.generated_tokens() > before {
+            let _ = job.events.send(EngineEvent::Token(token_out(tok, &step)));
+        }
+        if let Some(f) = step.finish {
+            let finish = match f {
+                FinishReason::Stop => Finish::Stop,
+                FinishReason::Length => Finish::Length,
+            };
+            return Ok((finish, prompt_tokens, gen.generated_tokens()));
+        }
+    }
+}
+
+fn token_out(tok: &Tokenizer, step: &Step) -> TokenOut {
+    let lp = |id: u32, logprob: f32| {
+        let bytes = tok.decode_bytes(&[id]);
+        TokenLogprob {
+            token: String::from_utf8_lossy(&bytes).into_owned(),
+            bytes,
+            logprob,
+        }
+    };
+    TokenOut {
+        text: step.text.clone(),
+        logprob: step.logprob.map(|l| lp(step.token, l)),
+        top_logprobs: step.top_logprobs.iter().map(|&(i, l)| lp(i, l)).collect(),
+    }
+}

@@ -1,0 +1,149 @@
+//! Starting and stopping: bind first (so `/health` can say "loading"), load
+//! the model on a blocking thread, serve, and on SIGTERM/SIGINT drain:
+//! refuse new requests, let in-flight ones finish until a deadline, then
+//! cancel what is left and exit.
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use common::engine::{Engine, EngineError, EngineLoad, EngineRequest, EngineStream};
+use tokio::net::TcpListener;
+
+use crate::routes::{router, AppState};
+use crate::serial::SerialEngine;
+
+/// The name clients use for `--model`: SmolLM2's for `smollm2`, else the file stem.
+pub fn served_name(spec: &str) -> String {
+    if spec.eq_ignore_ascii_case("smollm2") {
+        return "SmolLM2-135M-Instruct".to_string();
+    }
+    Path::new(spec)
+        .file_stem()
+        .map_or_else(|| spec.to_string(), |s| s.to_string_lossy().into_owned())
+}
+
+/// `--model`: `smollm2` (fetched on first use) or a path.
+pub fn resolve_model(spec: &str) -> Result<PathBuf, String> {
+    if spec.eq_ignore_ascii_case("smollm2") {
+        return common::assets::ensure(common::assets::Asset::SmolLm2);
+    }
+    let path = PathBuf::from(spec);
+    if !path.exists() {
+        return Err(format!(
+            "--model {spec}: no such file or directory (use `smollm2`, a .gguf file or an HF Llama directory)"
+        ));
+    }
+    Ok(path)
+}
+
+/// Load a GGUF / HF Llama model and start the serial engine on it.
+pub fn load_serial(path: &Path, name: &str, max_waiting: usize) -> Result<SerialEngine, String> {
+    let loaded = p05_kv_cache::load::load(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let tokenizer = loaded
+        .tokenizer
+        .ok_or_else(|| format!("{} has no tokenizer to serve text with", path.display()))?;
+    SerialEngine::start(
+        Arc::new(loaded.engine),
+        Arc::new(tokenizer),
+        name,
+        max_waiting,
+    )
+}
+
+/// An engine that is still loading: `/health` and requests answer 503 until
+/// [`LoadingEngine::set`] installs the real one.
+#[derive(Debug)]
+pub struct LoadingEngine {
+    name: String,
+    inner: OnceLock<Arc<dyn Engine>>,
+}
+
+impl LoadingEngine {
+    pub fn new(name: &str) -> LoadingEngine {
+        LoadingEngine {
+            name: name.to_string(),
+            inner: OnceLock::new(),
+        }
+    }
+
+    pub fn set(&self, engine: Arc<dyn Engine>) {
+        let _ = self.inner.set(engine);
+    }
+}
+
+impl Engine for LoadingEngine {
+    fn model_name(&self) -> &str {
+        &self.name
+    }
+
+    fn context_length(&self) -> Option<usize> {
+        self.inner.get().and_then(|e| e.context_length())
+    }
+
+    fn load(&self) -> EngineLoad {
+        self.inner.get().map(|e| e.load()).unwrap_or_default()
+    }
+
+    fn submit(&self, request: EngineRequest) -> Result<EngineStream, EngineError> {
+        match self.inner.get() {
+            Some(e) => e.submit(request),
+            None => Err(EngineError::Unavailable("the model is loading".into())),
+        }
+    }
+
+    fn abort_all(&self) {
+        if let Some(e) = self.inner.get() {
+            e.abort_all();
+        }
+    }
+}
+
+/// SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+}
+
+/// Serve until `shutdown` resolves, then drain: new requests get 503,
+/// in-flight ones have `grace` to finish before they are cancelled (their
+/// streams end with finish_reason `abort`). Returns when every connection
+/// is closed.
+pub async fn serve(
+    listener: TcpListener,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    grace: Duration,
+) -> std::io::Result<()> {
+    let app = router(state.clone());
+    let drain = async move {
+        shutdown.await;
+        state.draining.store(true, Ordering::SeqCst);
+        let engine = state.engine.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(grace).await;
+            engine.abort_all();
+        });
+    };
+    axum::serve(listener, app)
+        .with_graceful_shutdown(drain)
+        .await
+}
