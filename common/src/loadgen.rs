@@ -14,7 +14,7 @@
 //! Arrivals are open-loop (Poisson at a rate, seeded: requests are sent on
 //! schedule whether or not earlier ones finished) or closed-loop (a fixed
 //! number of clients, each sending its next request when the last returns).
-//! Warm-up requests run first and are excluded.
+//! Warm-up requests (their own prompts) run first and are excluded.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -73,7 +73,6 @@ pub struct LoadConfig {
     pub arrival: Arrival,
     /// Cap on requests in flight for open-loop arrivals.
     pub max_concurrency: Option<usize>,
-    pub warmup: usize,
     pub ignore_eos: bool,
     pub temperature: f32,
     pub timeout: Duration,
@@ -122,7 +121,9 @@ pub async fn send_one(
         body["model"] = json!(m);
     }
     if cfg.ignore_eos {
+        // vLLM's and ours; llama.cpp's server takes min_tokens instead.
         body["ignore_eos"] = json!(true);
+        body["min_tokens"] = json!(req.output_len);
     }
     let path = match cfg.api {
         Api::Completions => {
@@ -201,10 +202,12 @@ pub async fn send_one(
     rec
 }
 
-/// Run the warm-up, then the measured requests; return every record and
-/// the measured run's duration in seconds.
+/// Run the warm-up requests one by one (excluded from the figures), then
+/// the measured ones; return every measured record and the measured run's
+/// duration in seconds.
 pub async fn run(
     cfg: &LoadConfig,
+    warmup: &[LoadRequest],
     requests: &[LoadRequest],
 ) -> Result<(Vec<RequestRecord>, f64), LoadError> {
     if requests.is_empty() {
@@ -214,7 +217,7 @@ pub async fn run(
         .pool_max_idle_per_host(1024)
         .build()
         .unwrap_or_default();
-    for r in requests.iter().cycle().take(cfg.warmup) {
+    for r in warmup {
         let rec = send_one(&http, cfg, r, Instant::now()).await;
         if !rec.ok {
             return Err(LoadError::Warmup(rec.error));

@@ -149,6 +149,10 @@ pub struct Generator<'a, M: Model> {
     cache: M::Cache,
     utf8: Utf8Stream,
     stops: StopFilter,
+    /// The last sampled token, not yet run through the model: it is fed at
+    /// the start of the next step, so each token is handed out as soon as
+    /// it is sampled (a server streams it one decode step earlier).
+    pending: Option<u32>,
     done: bool,
     prefill_seconds: f64,
 }
@@ -197,6 +201,7 @@ impl<'a, M: Model> Generator<'a, M> {
             cache,
             utf8: Utf8Stream::default(),
             stops: StopFilter::default(),
+            pending: None,
             done: params.max_tokens == 0,
             prefill_seconds: t0.elapsed().as_secs_f64(),
         })
@@ -220,12 +225,17 @@ impl<'a, M: Model> Generator<'a, M> {
         self.model.cache_bytes(&self.cache)
     }
 
-    /// Sample the next token and run it through the model (unless it is the
-    /// last). `None` once finished. A stop token ends the generation with a
-    /// step whose `text` is what was held back and whose token is the stop id.
+    /// Run the previous token through the model (one decode step), then
+    /// sample the next. `None` once finished. A stop token ends the
+    /// generation with a step whose token is the stop id and whose text is empty.
     pub fn next_token(&mut self) -> Result<Option<Step>, GenerateError<M::Error>> {
         if self.done {
             return Ok(None);
+        }
+        if let Some(prev) = self.pending.take() {
+            self.model
+                .decode(prev, &mut self.cache, &mut self.logits)
+                .map_err(GenerateError::Model)?;
         }
         let (logprob, top_logprobs) = match self.params.logprobs {
             Some(top) => {
@@ -256,9 +266,7 @@ impl<'a, M: Model> Generator<'a, M> {
             text.push_str(&self.stops.flush());
             Some(FinishReason::Length)
         } else {
-            self.model
-                .decode(next, &mut self.cache, &mut self.logits)
-                .map_err(GenerateError::Model)?;
+            self.pending = Some(next);
             None
         };
         self.done = finish.is_some();

@@ -9,6 +9,7 @@
 //! - [`bench`]: the `bench` command: the load generator against any OpenAI-compatible server.
 
 pub mod bench;
+pub mod bench_overhead;
 pub mod error;
 pub mod metrics;
 pub mod request;

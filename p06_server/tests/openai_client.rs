@@ -24,13 +24,22 @@ async fn the_official_openai_python_client_works_against_the_server() {
     let python = root.join(".venv-client/bin/python");
     let base = format!("{}/v1", srv.url);
     let out = tokio::process::Command::new(python)
-        .args([script.to_str().unwrap(), "--base-url", &base, "--model", MODEL])
+        .args([
+            script.to_str().unwrap(),
+            "--base-url",
+            &base,
+            "--model",
+            MODEL,
+        ])
         .output()
         .await
         .expect("running the openai client script");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!("{stdout}{stderr}");
-    assert!(out.status.success(), "openai client checks failed:\n{stdout}{stderr}");
+    assert!(
+        out.status.success(),
+        "openai client checks failed:\n{stdout}{stderr}"
+    );
     assert!(stdout.contains("all checks passed"));
 }
