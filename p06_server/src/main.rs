@@ -32,7 +32,7 @@ enum Cmd {
     /// Serve (the default).
     Serve(ServeArgs),
     /// Drive an OpenAI-compatible server and report TTFT, TPOT, ITL, E2EL, throughput.
-    Bench(BenchArgs),
+    Bench(Box<BenchArgs>),
 }
 
 #[derive(Clone, Debug, Args)]
@@ -68,7 +68,7 @@ fn main() -> Result<()> {
     match cli.cmd {
         None => rt.block_on(serve(cli.serve)),
         Some(Cmd::Serve(a)) => rt.block_on(serve(a)),
-        Some(Cmd::Bench(a)) => rt.block_on(p06_server::bench::run(a)),
+        Some(Cmd::Bench(a)) => rt.block_on(p06_server::bench::run(*a)),
     }
 }
 

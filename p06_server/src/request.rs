@@ -92,12 +92,21 @@ fn range<T: PartialOrd + Copy + std::fmt::Display>(
     }
 }
 
-/// The fields both endpoints share.
+/// The checked values of the fields both endpoints share.
+struct Common {
+    sampling: SamplingSpec,
+    max_tokens: Option<usize>,
+    stop: Vec<String>,
+    stream: bool,
+    include_usage: bool,
+}
+
+/// Check the fields both endpoints share.
 fn common_fields(
     c: &CommonParams,
     served: &str,
     max_tokens: Option<i64>,
-) -> Result<(SamplingSpec, Option<usize>, Vec<String>, bool, bool), ApiError> {
+) -> Result<Common, ApiError> {
     check_model(c.model.as_deref(), served)?;
     range("n", c.n, |n| n == 1, "1 (one choice per request)")?;
     range("best_of", c.best_of, |n| n == 1, "1")?;
@@ -169,20 +178,25 @@ fn common_fields(
         repetition_penalty: rep.unwrap_or(1.0),
         seed: c.seed.map(|s| s as u64),
     };
-    Ok((
+    Ok(Common {
         sampling,
-        max_tokens.map(|m| m as usize),
+        max_tokens: max_tokens.map(|m| m as usize),
         stop,
         stream,
         include_usage,
-    ))
+    })
 }
 
 /// `POST /v1/completions`.
 pub fn completion(bytes: &[u8], served: &str) -> Result<Parsed, ApiError> {
     let r: CompletionRequest = parse_request(bytes)?;
-    let (sampling, max_tokens, stop, stream, include_usage) =
-        common_fields(&r.common, served, r.common.max_tokens)?;
+    let Common {
+        sampling,
+        max_tokens,
+        stop,
+        stream,
+        include_usage,
+    } = common_fields(&r.common, served, r.common.max_tokens)?;
     if r.echo == Some(true) {
         return Err(ApiError::invalid("echo", "echo is not supported"));
     }
@@ -228,14 +242,19 @@ pub fn chat(bytes: &[u8], served: &str) -> Result<Parsed, ApiError> {
         Some(m) => ("max_completion_tokens", Some(m)),
         None => ("max_tokens", r.common.max_tokens),
     };
-    let (sampling, max_tokens, stop, stream, include_usage) = common_fields(&r.common, served, max)
-        .map_err(|mut e| {
-            if e.param.as_deref() == Some("max_tokens") {
-                e.param = Some(max_param.to_string());
-                e.message = e.message.replacen("max_tokens", max_param, 1);
-            }
-            e
-        })?;
+    let Common {
+        sampling,
+        max_tokens,
+        stop,
+        stream,
+        include_usage,
+    } = common_fields(&r.common, served, max).map_err(|mut e| {
+        if e.param.as_deref() == Some("max_tokens") {
+            e.param = Some(max_param.to_string());
+            e.message = e.message.replacen("max_tokens", max_param, 1);
+        }
+        e
+    })?;
     if r.tools.as_ref().is_some_and(|t| !t.is_null()) {
         return Err(ApiError::invalid("tools", "tool calling is not supported"));
     }
