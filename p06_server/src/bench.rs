@@ -11,6 +11,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use common::loadgen::{self, Api, Arrival, LoadConfig, LoadRequest, Report, Slo};
 use common::numbers::{Recorder, Row};
+use common::plot::{line_chart, Labels, Scale, Series};
 use common::rng::Rng;
 use p04_transformer::{GgufFile, Tokenizer};
 
@@ -324,34 +325,30 @@ async fn sweep(a: &BenchArgs, model: &str, rates: &[f64]) -> Result<()> {
         a.label, a.input_len, a.output_len
     );
     let ideal: Vec<(f64, f64)> = rates.iter().map(|&r| (r, r)).collect();
-    common::plot::line_chart(
-        &dir.join(format!("{}_throughput_vs_rate.png", a.label)),
-        common::plot::Labels {
+    let chart = |file: &str, y: &str, series: [Series; 2]| {
+        let labels = Labels {
             title: &title,
             x: "offered requests/s",
-            y: "completed requests/s",
-        },
-        &[
-            common::plot::Series::new("achieved", thr),
-            common::plot::Series::new("offered (ideal)", ideal),
+            y,
+        };
+        line_chart(&dir.join(file), labels, &series, Scale::Linear).map_err(anyhow::Error::msg)
+    };
+    chart(
+        &format!("{}_throughput_vs_rate.png", a.label),
+        "completed requests/s",
+        [
+            Series::new("achieved", thr),
+            Series::new("offered (ideal)", ideal),
         ],
-        common::plot::Scale::Linear,
-    )
-    .map_err(anyhow::Error::msg)?;
-    common::plot::line_chart(
-        &dir.join(format!("{}_latency_vs_rate.png", a.label)),
-        common::plot::Labels {
-            title: &title,
-            x: "offered requests/s",
-            y: "seconds (median)",
-        },
-        &[
-            common::plot::Series::new("TTFT", ttft),
-            common::plot::Series::new("end-to-end latency", e2el),
+    )?;
+    chart(
+        &format!("{}_latency_vs_rate.png", a.label),
+        "seconds (median)",
+        [
+            Series::new("TTFT", ttft),
+            Series::new("end-to-end latency", e2el),
         ],
-        common::plot::Scale::Linear,
-    )
-    .map_err(anyhow::Error::msg)?;
+    )?;
     println!("plots: {}", dir.display());
     Ok(())
 }

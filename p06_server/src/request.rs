@@ -99,6 +99,41 @@ struct Common {
     stop: Vec<String>,
     stream: bool,
     include_usage: bool,
+    ignore_eos: bool,
+}
+
+impl Common {
+    /// The engine request and how to answer it.
+    fn into_parsed(
+        self,
+        endpoint: Endpoint,
+        prompt: PromptInput,
+        max_tokens: Option<usize>,
+        logprobs: Option<usize>,
+    ) -> Parsed {
+        let prefix = match endpoint {
+            Endpoint::Completions => "cmpl",
+            Endpoint::Chat => "chatcmpl",
+        };
+        let mut engine = EngineRequest::new(next_id(prefix), prompt);
+        engine.max_tokens = max_tokens;
+        engine.sampling = self.sampling;
+        engine.stop = self.stop;
+        engine.ignore_eos = self.ignore_eos;
+        engine.logprobs = logprobs;
+        Parsed {
+            endpoint,
+            engine,
+            stream: self.stream,
+            include_usage: self.include_usage,
+        }
+    }
+}
+
+/// A count of alternatives per token, 0–20.
+fn top_count(param: &str, v: Option<i64>) -> Result<Option<usize>, ApiError> {
+    let ok = |k: i64| (0..=MAX_TOP_LOGPROBS).contains(&k);
+    Ok(range(param, v, ok, "in [0, 20]")?.map(|k| k as usize))
 }
 
 /// Check the fields both endpoints share.
@@ -184,31 +219,21 @@ fn common_fields(
         stop,
         stream,
         include_usage,
+        ignore_eos: c.ignore_eos.unwrap_or(false),
     })
 }
 
 /// `POST /v1/completions`.
 pub fn completion(bytes: &[u8], served: &str) -> Result<Parsed, ApiError> {
     let r: CompletionRequest = parse_request(bytes)?;
-    let Common {
-        sampling,
-        max_tokens,
-        stop,
-        stream,
-        include_usage,
-    } = common_fields(&r.common, served, r.common.max_tokens)?;
+    let common = common_fields(&r.common, served, r.common.max_tokens)?;
     if r.echo == Some(true) {
         return Err(ApiError::invalid("echo", "echo is not supported"));
     }
     if r.suffix.is_some() {
         return Err(ApiError::invalid("suffix", "suffix is not supported"));
     }
-    let logprobs = range(
-        "logprobs",
-        r.logprobs,
-        |k| (0..=MAX_TOP_LOGPROBS).contains(&k),
-        "in [0, 20]",
-    )?;
+    let logprobs = top_count("logprobs", r.logprobs)?;
     let prompt = match r.prompt {
         None => return Err(ApiError::invalid("prompt", "prompt is required")),
         Some(PromptSpec::Text(t)) => PromptInput::Text(t),
@@ -221,18 +246,9 @@ pub fn completion(bytes: &[u8], served: &str) -> Result<Parsed, ApiError> {
         }
         Some(PromptSpec::Tokens(ids)) => PromptInput::Tokens(ids),
     };
-    let mut engine = EngineRequest::new(next_id("cmpl"), prompt);
-    engine.max_tokens = Some(max_tokens.unwrap_or(16)); // OpenAI's default for completions
-    engine.sampling = sampling;
-    engine.stop = stop;
-    engine.ignore_eos = r.common.ignore_eos.unwrap_or(false);
-    engine.logprobs = logprobs.map(|k| k as usize);
-    Ok(Parsed {
-        endpoint: Endpoint::Completions,
-        engine,
-        stream,
-        include_usage,
-    })
+    // OpenAI's default for completions is 16 tokens.
+    let max_tokens = Some(common.max_tokens.unwrap_or(16));
+    Ok(common.into_parsed(Endpoint::Completions, prompt, max_tokens, logprobs))
 }
 
 /// `POST /v1/chat/completions`.
@@ -242,13 +258,7 @@ pub fn chat(bytes: &[u8], served: &str) -> Result<Parsed, ApiError> {
         Some(m) => ("max_completion_tokens", Some(m)),
         None => ("max_tokens", r.common.max_tokens),
     };
-    let Common {
-        sampling,
-        max_tokens,
-        stop,
-        stream,
-        include_usage,
-    } = common_fields(&r.common, served, max).map_err(|mut e| {
+    let common = common_fields(&r.common, served, max).map_err(|mut e| {
         if e.param.as_deref() == Some("max_tokens") {
             e.param = Some(max_param.to_string());
             e.message = e.message.replacen("max_tokens", max_param, 1);
@@ -258,14 +268,9 @@ pub fn chat(bytes: &[u8], served: &str) -> Result<Parsed, ApiError> {
     if r.tools.as_ref().is_some_and(|t| !t.is_null()) {
         return Err(ApiError::invalid("tools", "tool calling is not supported"));
     }
-    let top = range(
-        "top_logprobs",
-        r.top_logprobs,
-        |k| (0..=MAX_TOP_LOGPROBS).contains(&k),
-        "in [0, 20]",
-    )?;
+    let top = top_count("top_logprobs", r.top_logprobs)?;
     let logprobs = match (r.logprobs.unwrap_or(false), top) {
-        (true, k) => Some(k.unwrap_or(0) as usize),
+        (true, k) => Some(k.unwrap_or(0)),
         (false, None) => None,
         (false, Some(_)) => {
             return Err(ApiError::invalid(
@@ -277,18 +282,13 @@ pub fn chat(bytes: &[u8], served: &str) -> Result<Parsed, ApiError> {
     let Some(messages) = r.messages else {
         return Err(ApiError::invalid("messages", "messages is required"));
     };
-    let mut engine = EngineRequest::new(next_id("chatcmpl"), PromptInput::Chat(messages));
-    engine.max_tokens = max_tokens;
-    engine.sampling = sampling;
-    engine.stop = stop;
-    engine.ignore_eos = r.common.ignore_eos.unwrap_or(false);
-    engine.logprobs = logprobs;
-    Ok(Parsed {
-        endpoint: Endpoint::Chat,
-        engine,
-        stream,
-        include_usage,
-    })
+    let max_tokens = common.max_tokens;
+    Ok(common.into_parsed(
+        Endpoint::Chat,
+        PromptInput::Chat(messages),
+        max_tokens,
+        logprobs,
+    ))
 }
 
 #[cfg(test)]

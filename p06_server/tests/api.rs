@@ -6,7 +6,7 @@ mod support;
 use p05_kv_cache::generate::{generate, GenerateParams};
 use p05_kv_cache::sampling::SamplingParams;
 use serde_json::{json, Value};
-use support::{post, smollm2, sse_events, TestServer, MODEL};
+use support::{post, short_completion, smollm2, sse_events, TestServer, MODEL};
 
 const QUESTION: &str = "What is the capital of France?";
 
@@ -225,12 +225,7 @@ async fn models_health_metrics_and_unknown_routes() {
             .status(),
         200
     );
-    let r = post(
-        &srv.url,
-        "/v1/completions",
-        r#"{"prompt": "Hi", "max_tokens": 3}"#,
-    )
-    .await;
+    let r = short_completion(&srv.url, 3).await;
     assert_eq!(r.status(), 200);
     assert_eq!(srv.metric("vllm:request_success_total{model_name=\"SmolLM2-135M-Instruct\",finished_reason=\"length\"}").await, 1.0);
     assert_eq!(srv.metric("vllm:generation_tokens_total").await, 3.0);
@@ -316,11 +311,6 @@ async fn bad_requests_get_openai_error_bodies_naming_the_problem() {
     .await;
     assert_eq!(s, 413);
     // Nothing was lost: the server still answers.
-    let r = post(
-        &srv.url,
-        "/v1/completions",
-        r#"{"prompt": "Hi", "max_tokens": 2}"#,
-    )
-    .await;
+    let r = short_completion(&srv.url, 2).await;
     assert_eq!(r.status(), 200);
 }

@@ -5,7 +5,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use support::{post, sse_events, TestServer};
+use support::{post, short_completion, sse_events, TestServer};
 
 fn long_stream(max_tokens: usize) -> String {
     json!({"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": true,
@@ -50,12 +50,7 @@ async fn client_disconnect_stops_generation_and_frees_the_cache() {
     );
     // The next request starts at once (not after 2,000 tokens of the old one).
     let t0 = Instant::now();
-    let r = post(
-        &srv.url,
-        "/v1/completions",
-        r#"{"prompt": "Hi", "max_tokens": 2}"#,
-    )
-    .await;
+    let r = short_completion(&srv.url, 2).await;
     assert_eq!(r.status(), 200);
     assert!(
         t0.elapsed() < Duration::from_secs(5),
@@ -70,22 +65,10 @@ async fn a_full_queue_answers_429_with_retry_after_and_recovers() {
     let mut running = post(&srv.url, "/v1/completions", &long_stream(2000)).await;
     first_chunk(&mut running).await;
     let url = srv.url.clone();
-    let waiting = tokio::spawn(async move {
-        post(
-            &url,
-            "/v1/completions",
-            r#"{"prompt": "Hi", "max_tokens": 2}"#,
-        )
-        .await
-    });
+    let waiting = tokio::spawn(async move { short_completion(&url, 2).await });
     srv.wait_metric("vllm:num_requests_waiting", 1.0, Duration::from_secs(5))
         .await;
-    let r = post(
-        &srv.url,
-        "/v1/completions",
-        r#"{"prompt": "Hi", "max_tokens": 2}"#,
-    )
-    .await;
+    let r = short_completion(&srv.url, 2).await;
     assert_eq!(r.status(), 429);
     let retry: u64 = r.headers()["retry-after"]
         .to_str()

@@ -126,3 +126,9 @@ pub async fn sse_events(mut resp: reqwest::Response) -> Vec<String> {
     }
     out
 }
+
+/// A short non-streamed completion ("Hi", `max_tokens` tokens).
+pub async fn short_completion(url: &str, max_tokens: usize) -> reqwest::Response {
+    let body = format!(r#"{{"prompt": "Hi", "max_tokens": {max_tokens}}}"#);
+    post(url, "/v1/completions", &body).await
+}
