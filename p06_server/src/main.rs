@@ -57,6 +57,11 @@ struct ServeArgs {
     /// Seconds in-flight requests get to finish after SIGTERM/SIGINT.
     #[arg(long, default_value_t = 30)]
     shutdown_grace_s: u64,
+    /// Serve no model here: forward every request to this OpenAI-compatible
+    /// server (e.g. http://127.0.0.1:8080) through `common::client::RemoteEngine`,
+    /// under the served model name.
+    #[arg(long)]
+    upstream: Option<String>,
 }
 
 fn main() -> Result<()> {
@@ -81,9 +86,15 @@ async fn serve(a: ServeArgs) -> Result<()> {
         .await
         .with_context(|| format!("binding {}:{}", a.host, a.port))?;
     let addr = listener.local_addr()?;
-    println!("listening on http://{addr} (model {name}, loading)");
+    println!("listening on http://{addr} (model {name})");
     let _ = std::io::stdout().flush();
 
+    if let Some(up) = &a.upstream {
+        let engine = Arc::new(common::client::RemoteEngine::new(up, &name));
+        let state = AppState::new(engine, a.max_body_bytes);
+        println!("ready: forwarding to {up}");
+        return run(listener, state, Duration::from_secs(a.shutdown_grace_s)).await;
+    }
     let loading = Arc::new(LoadingEngine::new(&name));
     let state = AppState::new(loading.clone(), a.max_body_bytes);
     state.ready.store(false, Ordering::SeqCst);
@@ -108,7 +119,11 @@ async fn serve(a: ServeArgs) -> Result<()> {
             }
         });
     }
-    let grace = Duration::from_secs(a.shutdown_grace_s);
+    run(listener, state, Duration::from_secs(a.shutdown_grace_s)).await
+}
+
+/// Serve until SIGTERM/SIGINT, then drain for `grace`.
+async fn run(listener: tokio::net::TcpListener, state: AppState, grace: Duration) -> Result<()> {
     let shutdown = async move {
         server::shutdown_signal().await;
         println!("shutting down: draining for up to {} s", grace.as_secs());

@@ -242,6 +242,18 @@ async fn models_health_metrics_and_unknown_routes() {
         1.0
     );
     assert_eq!(srv.metric("vllm:num_requests_running").await, 0.0);
+    // While the model is loading (or the server draining): 503 with Retry-After.
+    srv.state
+        .ready
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    let r = reqwest::get(format!("{}/health", srv.url)).await.unwrap();
+    assert_eq!(r.status(), 503);
+    let r = short_completion(&srv.url, 2).await;
+    assert_eq!(r.status(), 503);
+    assert!(r.headers().contains_key("retry-after"));
+    srv.state
+        .ready
+        .store(true, std::sync::atomic::Ordering::SeqCst);
     let r = reqwest::get(format!("{}/v2/nothing", srv.url))
         .await
         .unwrap();
