@@ -102,6 +102,7 @@ pub fn request_body(request: &EngineRequest, model: &str) -> (&'static str, Valu
             include_usage: true,
         }),
         ignore_eos: request.ignore_eos.then_some(true),
+        min_tokens: (request.min_tokens > 0).then_some(request.min_tokens as i64),
         ..CommonParams::default()
     };
     let body = match &request.prompt {

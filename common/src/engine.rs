@@ -64,6 +64,8 @@ pub struct EngineRequest {
     pub sampling: SamplingSpec,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
+    /// No stop before this many tokens (0 = off).
+    pub min_tokens: usize,
     /// Some(k): report log p of each token and its k most likely alternatives.
     pub logprobs: Option<usize>,
 }
@@ -77,6 +79,7 @@ impl EngineRequest {
             sampling: SamplingSpec::default(),
             stop: Vec::new(),
             ignore_eos: false,
+            min_tokens: 0,
             logprobs: None,
         }
     }

@@ -72,6 +72,9 @@ pub struct CommonParams {
     /// vLLM extension: keep generating past the model's stop tokens.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ignore_eos: Option<bool>,
+    /// vLLM / llama.cpp extension: no stop before this many tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_tokens: Option<i64>,
     // Parsed so they can be refused by name when set to something unsupported.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub presence_penalty: Option<f32>,

@@ -30,6 +30,9 @@ pub struct GenerateParams {
     pub stop_strings: Vec<String>,
     /// Keep going past the model's own stop tokens (fixed-length benchmarks).
     pub ignore_eos: bool,
+    /// No stop token may be sampled before this many tokens (vLLM's
+    /// `min_tokens`: their logits are set to -inf until then). 0 = off.
+    pub min_tokens: usize,
     /// Report log p of each sampled token and this many top alternatives.
     pub logprobs: Option<usize>,
 }
@@ -244,6 +247,13 @@ impl<'a, M: Model> Generator<'a, M> {
             }
             None => (None, Vec::new()),
         };
+        if self.generated < self.params.min_tokens {
+            for &id in &self.stop_ids {
+                if let Some(l) = self.logits.get_mut(id as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
         let next = self.sampler.sample(&mut self.logits, &self.history);
         let logprob = logprob.map(|lp| lp[next as usize]);
         if self.stop_ids.contains(&next) {

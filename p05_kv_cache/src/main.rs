@@ -98,6 +98,7 @@ fn main() -> Result<()> {
                 stop_ids: vec![],
                 stop_strings: stop,
                 ignore_eos: false,
+                min_tokens: 0,
                 logprobs: None,
             };
             if !chat {

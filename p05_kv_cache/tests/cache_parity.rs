@@ -116,6 +116,7 @@ fn smollm2_cached_greedy_matches_transformers_and_recompute() {
             stop_ids: vec![],
             stop_strings: vec![],
             ignore_eos: true,
+            min_tokens: 0,
             logprobs: Some(3),
         };
         let mut g = Generator::start(&engine, &tok, &prompt, &params).unwrap();

@@ -161,6 +161,7 @@ fn direct_sample<M: common::Model>(
         stop_ids: vec![],
         stop_strings: vec![],
         ignore_eos: true,
+        min_tokens: 0,
         logprobs: None,
     };
     let t0 = Instant::now();

@@ -100,6 +100,7 @@ struct Common {
     stream: bool,
     include_usage: bool,
     ignore_eos: bool,
+    min_tokens: usize,
 }
 
 impl Common {
@@ -120,6 +121,7 @@ impl Common {
         engine.sampling = self.sampling;
         engine.stop = self.stop;
         engine.ignore_eos = self.ignore_eos;
+        engine.min_tokens = self.min_tokens;
         engine.logprobs = logprobs;
         Parsed {
             endpoint,
@@ -164,6 +166,12 @@ fn common_fields(
         ));
     }
     let max_tokens = range("max_tokens", max_tokens, |m| m >= 1, "at least 1")?;
+    let min_tokens = range(
+        "min_tokens",
+        c.min_tokens,
+        |m| m >= 0 && max_tokens.is_none_or(|max| m <= max),
+        "between 0 and max_tokens",
+    )?;
     let temperature = range(
         "temperature",
         c.temperature,
@@ -220,6 +228,7 @@ fn common_fields(
         stream,
         include_usage,
         ignore_eos: c.ignore_eos.unwrap_or(false),
+        min_tokens: min_tokens.unwrap_or(0) as usize,
     })
 }
 

@@ -203,6 +203,7 @@ impl Engine for SerialEngine {
                 stop_ids: Vec::new(),
                 stop_strings: request.stop,
                 ignore_eos: request.ignore_eos,
+                min_tokens: request.min_tokens,
                 logprobs: request.logprobs,
             },
             events,

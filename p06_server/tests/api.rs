@@ -23,6 +23,7 @@ fn reference(max_tokens: usize) -> (usize, String, usize) {
         stop_ids: vec![],
         stop_strings: vec![],
         ignore_eos: false,
+        min_tokens: 0,
         logprobs: None,
     };
     let g = generate(&*s.engine, &s.tokenizer, &ids, &params, |_| {}).unwrap();
@@ -325,4 +326,58 @@ async fn bad_requests_get_openai_error_bodies_naming_the_problem() {
     // Nothing was lost: the server still answers.
     let r = short_completion(&srv.url, 2).await;
     assert_eq!(r.status(), 200);
+}
+
+#[tokio::test]
+async fn min_tokens_holds_off_the_stop_token() {
+    let srv = TestServer::default().await;
+    let (_, _, n) = reference(24);
+    assert!(
+        n < 12,
+        "the reference answer stops early ({n} tokens), so the test means something"
+    );
+    let body = chat_body(json!({"max_tokens": 12, "min_tokens": 12}));
+    let v: Value = post(&srv.url, "/v1/chat/completions", &body)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 12);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    let (s, e) = error_of(
+        &srv,
+        "/v1/chat/completions",
+        &chat_body(json!({"max_tokens": 4, "min_tokens": 5})),
+    )
+    .await;
+    assert_eq!((s, e["param"].as_str()), (400, Some("min_tokens")));
+}
+
+#[test]
+fn the_gguf_jinja_chat_template_agrees_with_p04_chatml_on_multi_turn() {
+    use common::openai::{ChatMessage, Content};
+    use p06_server::template::ChatTemplate;
+    let tok = &smollm2().tokenizer;
+    let source = tok
+        .chat_template
+        .as_deref()
+        .expect("SmolLM2's GGUF carries a template");
+    let t = ChatTemplate::new(Some(source), "<|im_start|>", "<|im_end|>").unwrap();
+    let m = |role: &str, text: &str| ChatMessage {
+        role: role.into(),
+        content: Some(Content::Text(text.into())),
+    };
+    // p04's ChatML equals transformers' apply_chat_template on the parity
+    // fixture's single-turn prompt; the GGUF's own Jinja, rendered here,
+    // must agree with it on multi-turn conversations, with and without a
+    // system turn (the template adds SmolLM's default system prompt).
+    let turns = [
+        ("system", "Be brief."),
+        ("user", "Hi"),
+        ("assistant", "Hello!"),
+        ("user", "2+2?"),
+    ];
+    let msgs: Vec<ChatMessage> = turns.iter().map(|(r, c)| m(r, c)).collect();
+    assert_eq!(t.render(&msgs).unwrap(), tok.chat_prompt(&turns));
+    assert_eq!(t.render(&msgs[1..]).unwrap(), tok.chat_prompt(&turns[1..]));
 }
