@@ -84,6 +84,14 @@ pub fn chunk_finish(chunk: &Value) -> Option<&str> {
         .and_then(Value::as_str)
 }
 
+/// `(prompt_tokens, completion_tokens)` of a chunk that carries `usage`
+/// (the last one, with `stream_options.include_usage`).
+pub fn chunk_usage(chunk: &Value) -> Option<(Option<usize>, Option<usize>)> {
+    let u = chunk.get("usage").filter(|u| !u.is_null())?;
+    let field = |k: &str| u.get(k).and_then(Value::as_u64).map(|v| v as usize);
+    Some((field("prompt_tokens"), field("completion_tokens")))
+}
+
 /// A streaming request body for `request`, and the endpoint path it goes to.
 pub fn request_body(request: &EngineRequest, model: &str) -> (&'static str, Value) {
     let s = &request.sampling;
@@ -259,10 +267,9 @@ async fn forward(
                     "{url} sent an event that is not JSON: {data}"
                 )));
             };
-            if let Some(u) = chunk.get("usage").filter(|u| !u.is_null()) {
-                let field = |k: &str| u.get(k).and_then(Value::as_u64).map(|v| v as usize);
-                prompt_tokens = field("prompt_tokens").unwrap_or(prompt_tokens);
-                completion_tokens = field("completion_tokens").or(completion_tokens);
+            if let Some((p, c)) = chunk_usage(&chunk) {
+                prompt_tokens = p.unwrap_or(prompt_tokens);
+                completion_tokens = c.or(completion_tokens);
             }
             if let Some(text) = chunk_text(&chunk) {
                 chunks += 1;

@@ -25,7 +25,7 @@ use serde_json::{json, Value};
 use thiserror::Error;
 use tokio::sync::Semaphore;
 
-use crate::client::{chunk_text, error_message, SseDecoder};
+use crate::client::{chunk_text, chunk_usage, error_message, SseDecoder};
 use crate::rng::Rng;
 use crate::stats::percentile_sorted;
 
@@ -167,11 +167,9 @@ pub async fn send_one(
                     continue;
                 }
                 let chunk: Value = serde_json::from_str(&data).map_err(|e| e.to_string())?;
-                if let Some(u) = chunk.get("usage").filter(|u| !u.is_null()) {
-                    if let Some(p) = u.get("prompt_tokens").and_then(Value::as_u64) {
-                        rec.prompt_len = p as usize;
-                    }
-                    usage_out = u.get("completion_tokens").and_then(Value::as_u64);
+                if let Some((p, c)) = chunk_usage(&chunk) {
+                    rec.prompt_len = p.unwrap_or(rec.prompt_len);
+                    usage_out = c;
                 }
                 match chunk_text(&chunk) {
                     Some(t) if !t.is_empty() => {
@@ -188,7 +186,7 @@ pub async fn send_one(
                 }
             }
         }
-        rec.output_len = usage_out.map_or(chunks, |u| u as usize);
+        rec.output_len = usage_out.unwrap_or(chunks);
         Ok(())
     })
     .await;

@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
@@ -261,6 +261,7 @@ async fn run_one(a: &BenchArgs, model: &str, arrival: Arrival) -> Result<Report>
     json["output_lens"] = records.iter().map(|r| r.output_len).collect();
     json["ttfts"] = records.iter().map(|r| r.ttft).collect();
     json["itls"] = records.iter().map(|r| r.itl.clone()).collect();
+    json["generated_texts"] = records.iter().map(|r| r.generated_text.clone()).collect();
     let out = a.result_file.clone().unwrap_or_else(|| {
         common::assets::workspace_root()
             .join(format!("target/bench/{}-{arrival_name}.json", a.label))
@@ -373,9 +374,4 @@ pub async fn spawn_server(engine: Arc<dyn common::engine::Engine>) -> Result<Str
         Duration::from_secs(1),
     ));
     Ok(url)
-}
-
-/// Seconds since `t0`.
-pub fn secs(t0: Instant) -> f64 {
-    t0.elapsed().as_secs_f64()
 }

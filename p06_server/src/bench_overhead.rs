@@ -19,7 +19,7 @@ use common::stats::summarize;
 use p05_kv_cache::generate::{GenerateParams, Generator};
 use p05_kv_cache::sampling::SamplingParams;
 
-use crate::bench::{random_prompt, secs, spawn_server, BenchArgs};
+use crate::bench::{random_prompt, spawn_server, BenchArgs};
 use crate::SerialEngine;
 
 /// (TTFT seconds, decode tok/s) of one generation.
@@ -167,12 +167,12 @@ fn direct_sample<M: common::Model>(
     let t0 = Instant::now();
     let mut g = Generator::start(model, tok, ids, &params).map_err(|e| anyhow::anyhow!("{e}"))?;
     g.next_token().map_err(|e| anyhow::anyhow!("{e}"))?;
-    let ttft = secs(t0);
+    let ttft = t0.elapsed().as_secs_f64();
     while g
         .next_token()
         .map_err(|e| anyhow::anyhow!("{e}"))?
         .is_some()
     {}
-    let total = secs(t0);
+    let total = t0.elapsed().as_secs_f64();
     Ok((ttft, (out - 1) as f64 / (total - ttft)))
 }

@@ -31,17 +31,25 @@ pub const MAX_TOP_LOGPROBS: i64 = 20;
 /// OpenAI's limit on stop sequences.
 pub const MAX_STOP: usize = 4;
 
-/// Parse a JSON object, naming the field that failed (`max_tokens: invalid type ...`).
-pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+/// The body as a JSON object (syntax errors and non-objects are 400s).
+fn parse_object(bytes: &[u8]) -> Result<serde_json::Value, ApiError> {
     let value: serde_json::Value = serde_json::from_slice(bytes)
         .map_err(|e| ApiError::bad_body(format!("the body is not valid JSON: {e}")))?;
     if !value.is_object() {
         return Err(ApiError::bad_body("the body must be a JSON object"));
     }
-    from_value(value)
+    Ok(value)
 }
 
-fn from_value<T: DeserializeOwned>(value: serde_json::Value) -> Result<T, ApiError> {
+/// Parse a JSON object, naming the field that failed (`max_tokens: invalid type ...`).
+pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    from_value(parse_object(bytes)?)
+}
+
+/// Deserialize from a `Value` (owned, or borrowed to read part of it).
+fn from_value<'de, T: serde::Deserialize<'de>>(
+    value: impl serde::Deserializer<'de, Error = serde_json::Error>,
+) -> Result<T, ApiError> {
     serde_path_to_error::deserialize(value).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
@@ -54,11 +62,11 @@ fn from_value<T: DeserializeOwned>(value: serde_json::Value) -> Result<T, ApiErr
 }
 
 /// The endpoints' structs flatten [`CommonParams`] in, and serde loses the
-/// path of a flattened field: parse those fields alone first so a bad one
-/// is named, then the whole request.
+/// path of a flattened field: read those fields alone first (borrowing the
+/// parsed body) so a bad one is named, then the whole request.
 fn parse_request<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    let value: serde_json::Value = parse_json(bytes)?;
-    from_value::<CommonParams>(value.clone())?;
+    let value = parse_object(bytes)?;
+    from_value::<CommonParams>(&value)?;
     from_value(value)
 }
 
@@ -138,11 +146,12 @@ fn top_count(param: &str, v: Option<i64>) -> Result<Option<usize>, ApiError> {
     Ok(range(param, v, ok, "in [0, 20]")?.map(|k| k as usize))
 }
 
-/// Check the fields both endpoints share.
+/// Check the fields both endpoints share. `max_tokens` is (the field it came
+/// from, its value): chat may name it `max_completion_tokens`.
 fn common_fields(
     c: &CommonParams,
     served: &str,
-    max_tokens: Option<i64>,
+    (max_param, max_tokens): (&str, Option<i64>),
 ) -> Result<Common, ApiError> {
     check_model(c.model.as_deref(), served)?;
     range("n", c.n, |n| n == 1, "1 (one choice per request)")?;
@@ -165,12 +174,12 @@ fn common_fields(
             "logit_bias is not supported",
         ));
     }
-    let max_tokens = range("max_tokens", max_tokens, |m| m >= 1, "at least 1")?;
+    let max_tokens = range(max_param, max_tokens, |m| m >= 1, "at least 1")?;
     let min_tokens = range(
         "min_tokens",
         c.min_tokens,
         |m| m >= 0 && max_tokens.is_none_or(|max| m <= max),
-        "between 0 and max_tokens",
+        &format!("between 0 and {max_param}"),
     )?;
     let temperature = range(
         "temperature",
@@ -235,7 +244,7 @@ fn common_fields(
 /// `POST /v1/completions`.
 pub fn completion(bytes: &[u8], served: &str) -> Result<Parsed, ApiError> {
     let r: CompletionRequest = parse_request(bytes)?;
-    let common = common_fields(&r.common, served, r.common.max_tokens)?;
+    let common = common_fields(&r.common, served, ("max_tokens", r.common.max_tokens))?;
     if r.echo == Some(true) {
         return Err(ApiError::invalid("echo", "echo is not supported"));
     }
@@ -263,17 +272,11 @@ pub fn completion(bytes: &[u8], served: &str) -> Result<Parsed, ApiError> {
 /// `POST /v1/chat/completions`.
 pub fn chat(bytes: &[u8], served: &str) -> Result<Parsed, ApiError> {
     let r: ChatRequest = parse_request(bytes)?;
-    let (max_param, max) = match r.max_completion_tokens {
+    let max = match r.max_completion_tokens {
         Some(m) => ("max_completion_tokens", Some(m)),
         None => ("max_tokens", r.common.max_tokens),
     };
-    let common = common_fields(&r.common, served, max).map_err(|mut e| {
-        if e.param.as_deref() == Some("max_tokens") {
-            e.param = Some(max_param.to_string());
-            e.message = e.message.replacen("max_tokens", max_param, 1);
-        }
-        e
-    })?;
+    let common = common_fields(&r.common, served, max)?;
     if r.tools.as_ref().is_some_and(|t| !t.is_null()) {
         return Err(ApiError::invalid("tools", "tool calling is not supported"));
     }

@@ -123,18 +123,23 @@ async fn serve_request(st: AppState, endpoint: Endpoint, body: Body) -> Result<R
         return Err(ApiError::unavailable("the server is shutting down"));
     }
     let served = st.engine.model_name().to_string();
-    let parsed = match endpoint {
+    let Parsed {
+        engine: request,
+        stream,
+        include_usage,
+        ..
+    } = match endpoint {
         Endpoint::Completions => request::completion(&bytes, &served)?,
         Endpoint::Chat => request::chat(&bytes, &served)?,
     };
     let builder = Builder {
         endpoint,
-        id: parsed.engine.id.clone(),
+        id: request.id.clone(),
         created: common::openai::unix_now(),
         model: served,
-        logprobs: parsed.engine.logprobs.is_some(),
+        logprobs: request.logprobs.is_some(),
     };
-    let mut events = st.engine.submit(parsed.engine.clone())?;
+    let mut events = st.engine.submit(request)?;
     let mut tracker = Tracker::new(st.metrics.clone(), arrival);
     // Wait for the first event, so that a refusal becomes a status code
     // rather than an error inside a 200 stream.
@@ -146,8 +151,14 @@ async fn serve_request(st: AppState, endpoint: Endpoint, body: Body) -> Result<R
         Some(ev) => ev,
         None => return Err(ApiError::unavailable("the engine stopped")),
     };
-    if parsed.stream {
-        Ok(stream_response(parsed, builder, tracker, first, events))
+    if stream {
+        Ok(stream_response(
+            include_usage,
+            builder,
+            tracker,
+            first,
+            events,
+        ))
     } else {
         collect_response(builder, tracker, first, events).await
     }
@@ -290,7 +301,7 @@ impl StreamState {
 }
 
 fn stream_response(
-    parsed: Parsed,
+    include_usage: bool,
     builder: Builder,
     tracker: Tracker,
     first: EngineEvent,
@@ -300,7 +311,7 @@ fn stream_response(
         builder,
         tracker,
         events,
-        include_usage: parsed.include_usage,
+        include_usage,
         queue: Default::default(),
         offset: 0,
         finished: false,

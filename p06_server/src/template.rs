@@ -10,7 +10,7 @@ use crate::error::ApiError;
 
 #[derive(Debug)]
 pub struct ChatTemplate {
-    env: Option<Environment<'static>>,
+    env: Environment<'static>,
     bos_token: String,
     eos_token: String,
 }
@@ -41,7 +41,7 @@ impl ChatTemplate {
         env.add_template_owned("chat", source.unwrap_or(CHATML).to_string())
             .map_err(|e| format!("the model's chat template does not compile: {e}"))?;
         Ok(ChatTemplate {
-            env: Some(env),
+            env,
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
         })
@@ -98,8 +98,8 @@ impl ChatTemplate {
             };
             msgs.push(Msg { role, content });
         }
-        let env = self.env.as_ref().expect("built in new");
-        let tmpl = env
+        let tmpl = self
+            .env
             .get_template("chat")
             .map_err(|e| ApiError::bad_body(e.to_string()))?;
         tmpl.render(context! {
