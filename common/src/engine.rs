@@ -208,4 +208,8 @@ pub trait Engine: Send + Sync + fmt::Debug {
     /// Stop taking requests and end the ones in flight with `Finish::Abort`
     /// (a graceful shutdown whose deadline passed).
     fn abort_all(&self);
+
+    /// Metrics of the engine's own, appended to the server's `/metrics` in
+    /// Prometheus' text format (e.g. a batcher's batch-size histogram).
+    fn extra_metrics(&self, _out: &mut String) {}
 }

@@ -7,13 +7,15 @@
 //! - [`numbers`]: the `numbers.md` recorder (date, machine, commit, command, metric, value, unit, prediction).
 //! - [`plot`]: line and log-log charts to PNG.
 //! - [`assets`]: locating the workspace and fetching assets through `scripts/fetch_assets.sh`.
-//! - [`model`]: the `Model` seam (logits level); [`openai`]: the OpenAI wire format.
+//! - [`model`]: the `Model` seam (logits level); [`batch`]: the batched, ragged step
+//!   under it (`Batch`, the `KvStore` trait, `BatchModel`); [`openai`]: the OpenAI wire format.
 //! - With the `net` feature: [`engine`] (the `Engine` seam, request level),
 //!   [`client`] (an HTTP client of the OpenAI API, `RemoteEngine`) and
 //!   [`loadgen`] (the load generator and vLLM-style serving metrics).
 
 pub mod alloc_count;
 pub mod assets;
+pub mod batch;
 #[cfg(feature = "net")]
 pub mod client;
 pub mod compare;
@@ -31,5 +33,6 @@ pub mod stats;
 pub mod tensor;
 pub mod testdata;
 
+pub use batch::{Batch, BatchModel, KvShape, KvStore, SeqSlice};
 pub use model::{Model, ModelInfo};
 pub use tensor::{Tensor, TensorError};

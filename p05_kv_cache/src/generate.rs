@@ -6,11 +6,11 @@
 use std::time::Instant;
 
 use common::Model;
-use p04_transformer::generate::Utf8Stream;
 use p04_transformer::Tokenizer;
 use thiserror::Error;
 
-use crate::sampling::{Sampler, SamplingError, SamplingParams};
+use crate::sampling::{SamplingError, SamplingParams};
+pub use crate::sequence::{Sequence, Step};
 
 /// Why generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,89 +74,23 @@ pub enum GenerateError<E: std::error::Error + 'static> {
     Model(E),
 }
 
-/// Holds back text that could still become a stop string.
-#[derive(Debug, Default)]
-struct StopFilter {
-    pending: String,
-}
-
-impl StopFilter {
-    /// Add text; return (text safe to emit, whether a stop string was hit).
-    fn push(&mut self, text: &str, stops: &[String]) -> (String, bool) {
-        self.pending.push_str(text);
-        if let Some(at) = stops
-            .iter()
-            .filter(|s| !s.is_empty())
-            .filter_map(|s| self.pending.find(s.as_str()))
-            .min()
-        {
-            let out = self.pending[..at].to_string();
-            self.pending.clear();
-            return (out, true);
-        }
-        // Keep back the longest suffix that is a proper prefix of some stop string.
-        let keep = stops
-            .iter()
-            .flat_map(|s| {
-                (1..s.len())
-                    .filter(move |&i| s.is_char_boundary(i))
-                    .map(move |i| &s[..i])
-            })
-            .filter(|prefix| self.pending.ends_with(prefix))
-            .map(str::len)
-            .max()
-            .unwrap_or(0);
-        let cut = self.pending.len() - keep;
-        let out = self.pending[..cut].to_string();
-        self.pending.drain(..cut);
-        (out, false)
-    }
-
-    fn flush(&mut self) -> String {
-        std::mem::take(&mut self.pending)
-    }
-}
-
-/// One sampled token, as [`Generator::next_token`] hands it out.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Step {
-    pub token: u32,
-    /// Text that became final with this token (may be empty: an unfinished
-    /// UTF-8 character, or text held back while it could be a stop string).
-    pub text: String,
-    /// log p(token) under the model's distribution (raw logits, before
-    /// penalties and temperature), when logprobs were asked for.
-    pub logprob: Option<f32>,
-    /// The `top_logprobs` most likely tokens and their log p, most likely first.
-    pub top_logprobs: Vec<(u32, f32)>,
-    /// Set on the last step; `text` then includes any held-back text.
-    pub finish: Option<FinishReason>,
-}
-
 /// A generation driven one token at a time, so a server can stream each
-/// step, watch for a client that left, and drop the cache at once.
-/// [`generate`] is the same loop run to the end.
+/// step, watch for a client that left, and drop the cache at once: a
+/// [`Sequence`] (the per-request state) with a model, its cache and a
+/// logits row: a batch of one. [`generate`] is the same loop run to the end.
 #[derive(Debug)]
 pub struct Generator<'a, M: Model> {
     model: &'a M,
     tok: &'a Tokenizer,
-    params: GenerateParams,
-    sampler: Sampler,
-    stop_ids: Vec<u32>,
-    /// Prompt and generated tokens (the repetition penalty reads it).
-    history: Vec<u32>,
-    prompt_tokens: usize,
-    generated: usize,
+    seq: Sequence,
     /// (vocab_size) logits for the next position.
     logits: Vec<f32>,
     cache: M::Cache,
-    utf8: Utf8Stream,
-    stops: StopFilter,
-    /// The last sampled token, not yet run through the model: it is fed at
-    /// the start of the next step, so each token is handed out as soon as
-    /// it is sampled (a server streams it one decode step earlier).
-    pending: Option<u32>,
-    done: bool,
+    /// Whether `logits` are for the next position (after prefill, or after
+    /// the last sampled token was fed). The sampled token is fed at the
+    /// start of the next step, so each token is handed out as soon as it is
+    /// sampled (a server streams it one decode step earlier).
+    fresh: bool,
     prefill_seconds: f64,
 }
 
@@ -168,25 +102,7 @@ impl<'a, M: Model> Generator<'a, M> {
         prompt: &[u32],
         params: &GenerateParams,
     ) -> Result<Self, GenerateError<M::Error>> {
-        let info = model.info();
-        let context = info.context_length;
-        if prompt.len().saturating_add(params.max_tokens) > context {
-            return Err(GenerateError::Context {
-                prompt: prompt.len(),
-                max_tokens: params.max_tokens,
-                context,
-            });
-        }
-        let sampler = Sampler::new(params.sampling.clone())?;
-        let stop_ids: Vec<u32> = if params.ignore_eos {
-            params.stop_ids.clone()
-        } else {
-            info.stop_ids
-                .iter()
-                .chain(&params.stop_ids)
-                .copied()
-                .collect()
-        };
+        let seq = Sequence::new(model.info(), prompt, params)?;
         let t0 = Instant::now();
         let (logits, cache) = model
             .prefill(prompt, prompt.len() + params.max_tokens)
@@ -194,29 +110,21 @@ impl<'a, M: Model> Generator<'a, M> {
         Ok(Generator {
             model,
             tok,
-            params: params.clone(),
-            sampler,
-            stop_ids,
-            history: prompt.to_vec(),
-            prompt_tokens: prompt.len(),
-            generated: 0,
+            seq,
             logits,
             cache,
-            utf8: Utf8Stream::default(),
-            stops: StopFilter::default(),
-            pending: None,
-            done: params.max_tokens == 0,
+            fresh: true,
             prefill_seconds: t0.elapsed().as_secs_f64(),
         })
     }
 
     pub fn prompt_tokens(&self) -> usize {
-        self.prompt_tokens
+        self.seq.prompt_tokens()
     }
 
     /// Tokens sampled so far (a stop token is not counted).
     pub fn generated_tokens(&self) -> usize {
-        self.generated
+        self.seq.generated_tokens()
     }
 
     pub fn prefill_seconds(&self) -> f64 {
@@ -232,61 +140,18 @@ impl<'a, M: Model> Generator<'a, M> {
     /// sample the next. `None` once finished. A stop token ends the
     /// generation with a step whose token is the stop id and whose text is empty.
     pub fn next_token(&mut self) -> Result<Option<Step>, GenerateError<M::Error>> {
-        if self.done {
+        if self.seq.is_finished() {
             return Ok(None);
         }
-        if let Some(prev) = self.pending.take() {
-            self.model
-                .decode(prev, &mut self.cache, &mut self.logits)
-                .map_err(GenerateError::Model)?;
-        }
-        let (logprob, top_logprobs) = match self.params.logprobs {
-            Some(top) => {
-                let (lp, top) = log_probs(&self.logits, top);
-                (Some(lp), top)
-            }
-            None => (None, Vec::new()),
-        };
-        if self.generated < self.params.min_tokens {
-            for &id in &self.stop_ids {
-                if let Some(l) = self.logits.get_mut(id as usize) {
-                    *l = f32::NEG_INFINITY;
-                }
+        if !self.fresh {
+            if let Some(prev) = self.seq.next_input() {
+                self.model
+                    .decode(prev, &mut self.cache, &mut self.logits)
+                    .map_err(GenerateError::Model)?;
             }
         }
-        let next = self.sampler.sample(&mut self.logits, &self.history);
-        let logprob = logprob.map(|lp| lp[next as usize]);
-        if self.stop_ids.contains(&next) {
-            self.done = true;
-            return Ok(Some(Step {
-                token: next,
-                text: String::new(),
-                logprob,
-                top_logprobs,
-                finish: Some(FinishReason::Stop),
-            }));
-        }
-        self.generated += 1;
-        self.history.push(next);
-        let piece = self.utf8.push(&self.tok.decode_bytes(&[next]));
-        let (mut text, hit) = self.stops.push(&piece, &self.params.stop_strings);
-        let finish = if hit {
-            Some(FinishReason::Stop)
-        } else if self.generated == self.params.max_tokens {
-            text.push_str(&self.stops.flush());
-            Some(FinishReason::Length)
-        } else {
-            self.pending = Some(next);
-            None
-        };
-        self.done = finish.is_some();
-        Ok(Some(Step {
-            token: next,
-            text,
-            logprob,
-            top_logprobs,
-            finish,
-        }))
+        self.fresh = false;
+        Ok(Some(self.seq.on_logits(&mut self.logits, self.tok)))
     }
 }
 
@@ -347,7 +212,7 @@ pub fn generate<M: Model>(
 
 #[cfg(test)]
 mod tests {
-    use super::{log_probs, StopFilter};
+    use super::log_probs;
 
     #[test]
     fn log_probs_match_a_naive_f64_log_softmax() {
@@ -371,31 +236,5 @@ mod tests {
         let got: Vec<u32> = top.iter().map(|t| t.0).collect();
         assert_eq!(got, want);
         assert_eq!(log_probs(&logits, 5000).1.len(), 1000);
-    }
-
-    #[test]
-    fn stop_string_split_across_pieces_is_caught_and_not_emitted() {
-        let stops = vec!["<END>".to_string()];
-        let mut f = StopFilter::default();
-        let mut out = String::new();
-        for piece in ["Hello <", "EN", "D> never"] {
-            let (safe, hit) = f.push(piece, &stops);
-            out.push_str(&safe);
-            if hit {
-                assert_eq!(out, "Hello ");
-                return;
-            }
-        }
-        panic!("stop string not detected: {out:?}");
-    }
-
-    #[test]
-    fn text_that_only_looks_like_a_stop_prefix_is_released() {
-        let stops = vec!["<END>".to_string()];
-        let mut f = StopFilter::default();
-        let (a, _) = f.push("a <E", &stops);
-        assert_eq!(a, "a ");
-        let (b, hit) = f.push("x", &stops);
-        assert_eq!((b.as_str(), hit), ("<Ex", false));
     }
 }

@@ -1,13 +1,18 @@
-//! GPT-2 behind the `Model` seam: learned positions are looked up at each
-//! token's absolute position; K and V go to the cache (n_kv_head = n_head).
-//! Simpler than the Llama engine: its projections allocate their outputs.
+//! GPT-2 on the batched, ragged step and behind the `Model` seam: learned
+//! positions are looked up at each token's absolute position; K and V go to
+//! each sequence's store (n_kv_head = n_head). Simpler than the Llama
+//! engine: its projections allocate their outputs, and its workspace holds
+//! only the attention's scratch.
 
+use std::sync::Mutex;
+
+use common::batch::{Batch, BatchModel, KvShape, KvStore};
 use common::{Model, ModelInfo};
 use p01_engine::ops::{gelu_inplace, layernorm_rows, GeluApprox};
 use p04_transformer::gpt2::Gpt2;
-use p04_transformer::llama::attend;
 use p04_transformer::ModelError;
 
+use crate::attention::{attention_step, AttentionScratch, Heads};
 use crate::kv_cache::KvCache;
 use crate::EngineError;
 
@@ -15,68 +20,109 @@ use crate::EngineError;
 pub struct Gpt2Engine {
     pub model: Gpt2,
     info: ModelInfo,
+    /// The `Model` adapter's batch of one and its workspace.
+    adapter: Mutex<(Batch, AttentionScratch)>,
 }
 
 impl Gpt2Engine {
     pub fn new(model: Gpt2, info: ModelInfo) -> Gpt2Engine {
-        Gpt2Engine { model, info }
+        Gpt2Engine {
+            model,
+            info,
+            adapter: Mutex::new((Batch::new(), AttentionScratch::default())),
+        }
     }
 
-    /// Run `ids` at positions cache.len.., writing the last token's logits.
+    /// One sequence's step: `ids` at positions cache.len.., the last
+    /// token's logits into `logits`. A batch of one.
     pub fn step(
         &self,
         ids: &[u32],
         cache: &mut KvCache,
         logits: &mut [f32],
     ) -> Result<(), EngineError> {
+        let mut guard = self.adapter.lock().unwrap_or_else(|e| e.into_inner());
+        let (batch, ws) = &mut *guard;
+        batch.clear();
+        batch.push(ids, cache.len)?;
+        let mut kv = cache;
+        self.forward_batch(batch, std::slice::from_mut(&mut kv), ws, logits)
+    }
+}
+
+impl BatchModel for Gpt2Engine {
+    type Workspace = AttentionScratch;
+    fn kv_shape(&self) -> KvShape {
+        let c = &self.model.cfg;
+        KvShape {
+            n_layer: c.n_layer,
+            n_kv_head: c.n_head,
+            head_dim: c.n_embd / c.n_head,
+        }
+    }
+
+    fn new_workspace(&self) -> AttentionScratch {
+        AttentionScratch::default()
+    }
+
+    fn forward_batch<S: KvStore>(
+        &self,
+        batch: &Batch,
+        stores: &mut [&mut S],
+        ws: &mut AttentionScratch,
+        logits: &mut [f32],
+    ) -> Result<(), EngineError> {
         let m = &self.model;
         let c = &m.cfg;
-        let (n, p0) = (ids.len(), cache.len);
-        cache.check_step(ids, c.n_positions, c.vocab_size, logits.len())?;
+        batch.check(
+            stores,
+            self.kv_shape(),
+            c.n_positions,
+            c.vocab_size,
+            logits.len(),
+        )?;
+        let (n, n_seqs) = (batch.n_tokens(), batch.n_seqs());
         let (d, nh) = (c.n_embd, c.n_head);
         let hd = d / nh;
+        let heads = Heads {
+            n_head: nh,
+            n_kv_head: nh,
+            head_dim: hd,
+        };
         let t = m.threads;
         let ln = |x: &[f32], (w, b): &(Vec<f32>, Vec<f32>)| {
             let mut y = vec![0.0f32; x.len()];
             layernorm_rows(x, d, w, b, c.layer_norm_eps, &mut y);
             y
         };
-        // 1. Token + position embeddings at absolute positions p0..p0+n.
-        let mut x = vec![0.0f32; n * d];
-        for (r, &id) in ids.iter().enumerate() {
-            let (id, pos) = (id as usize, p0 + r);
-            for (j, xv) in x[r * d..(r + 1) * d].iter_mut().enumerate() {
-                *xv = m.wte[id * d + j] + m.wpe[pos * d + j];
+        // 1. Token + position embeddings, each token at its own sequence's position.
+        let mut x = vec![0.0f32; n * d]; // (n_tokens, n_embd)
+        for s in batch.seqs() {
+            for r in 0..s.len {
+                let (id, pos) = (batch.tokens()[s.offset + r] as usize, s.start_pos + r);
+                let row = &mut x[(s.offset + r) * d..(s.offset + r + 1) * d];
+                for (j, xv) in row.iter_mut().enumerate() {
+                    *xv = m.wte[id * d + j] + m.wpe[pos * d + j];
+                }
             }
         }
         let scale = 1.0 / (hd as f32).sqrt();
-        let mut scores = vec![0.0f32; p0 + n];
         for (l, blk) in m.blocks.iter().enumerate() {
-            // 2. Attention over the cache.
-            let qkv = blk.c_attn.forward(&ln(&x, &blk.ln_1), n, t)?; // (n, 3 d)
+            // 2. Attention: Q, K, V for all tokens; K/V to each sequence's store.
+            let qkv = blk.c_attn.forward(&ln(&x, &blk.ln_1), n, t)?; // (n_tokens, 3 n_embd)
             let part = |p: usize| -> Vec<f32> {
                 qkv.chunks_exact(3 * d)
                     .flat_map(|r| r[p * d..(p + 1) * d].iter().copied())
                     .collect()
             };
-            let (q, k, v) = (part(0), part(1), part(2));
-            cache.write(l, &k, &v, n);
-            let mut att = vec![0.0f32; n * d];
-            for i in 0..n {
-                for h in 0..nh {
-                    let (keys, values) = cache.head(l, h);
-                    attend(
-                        &q[i * d + h * hd..][..hd],
-                        keys,
-                        values,
-                        hd,
-                        p0 + i + 1,
-                        scale,
-                        &mut scores,
-                        &mut att[i * d + h * hd..][..hd],
-                    );
-                }
+            let (q, k, v) = (part(0), part(1), part(2)); // each (n_tokens, n_embd)
+            for (s, store) in batch.seqs().iter().zip(stores.iter_mut()) {
+                let rows = s.offset * d..(s.offset + s.len) * d;
+                store.write(l, &k[rows.clone()], &v[rows], s.len);
             }
+            let mut att = vec![0.0f32; n * d];
+            attention_step(&q, batch, stores, l, heads, scale, ws, &mut att)
+                .map_err(ModelError::from)?;
             let o = blk.attn_proj.forward(&att, n, t)?;
             x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
             // 3. MLP.
@@ -85,10 +131,21 @@ impl Gpt2Engine {
             let o = blk.mlp_proj.forward(&h, n, t)?;
             x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
         }
-        cache.len += n;
-        // 4. Last position through the final LayerNorm and the tied head.
-        let h = ln(&x[(n - 1) * d..], &m.ln_f);
-        p02_matmul_bench::linear(&h, 1, &m.wte, c.vocab_size, None, logits, t)
+        for (s, store) in batch.seqs().iter().zip(stores.iter_mut()) {
+            store.advance(s.len);
+        }
+        // 4. Each sequence's last row through the final LayerNorm and the tied head.
+        let last: Vec<f32> = batch
+            .seqs()
+            .iter()
+            .flat_map(|s| {
+                x[(s.offset + s.len - 1) * d..(s.offset + s.len) * d]
+                    .iter()
+                    .copied()
+            })
+            .collect(); // (n_seqs, n_embd)
+        let h = ln(&last, &m.ln_f);
+        p02_matmul_bench::linear(&h, n_seqs, &m.wte, c.vocab_size, None, logits, t)
             .map_err(ModelError::from)?;
         Ok(())
     }
@@ -114,7 +171,8 @@ impl Model for Gpt2Engine {
             }
             .into());
         }
-        let mut cache = KvCache::new(c.n_layer, c.n_head, c.n_embd / c.n_head, max_len);
+        let s = self.kv_shape();
+        let mut cache = KvCache::new(s.n_layer, s.n_kv_head, s.head_dim, max_len);
         let mut logits = vec![0.0f32; c.vocab_size];
         self.step(ids, &mut cache, &mut logits)?;
         Ok((logits, cache))

@@ -4,11 +4,8 @@
 //! are contiguous, which is what a query head of its group reads at decode.
 //! Grouped-query attention stores n_kv_head heads, not n_head.
 
+use common::batch::{KvShape, KvStore};
 use thiserror::Error;
-
-use p04_transformer::ModelError;
-
-use crate::EngineError;
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum CacheError {
@@ -20,7 +17,7 @@ pub enum CacheError {
     },
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct KvCache {
     pub n_layer: usize,
     pub n_kv_head: usize,
@@ -75,38 +72,6 @@ impl KvCache {
         Ok(())
     }
 
-    /// Everything a step of `ids` must satisfy before any work: room in the
-    /// cache, positions within the model's context `ctx`, ids in the
-    /// vocabulary, a logits buffer of vocabulary length.
-    pub fn check_step(
-        &self,
-        ids: &[u32],
-        ctx: usize,
-        vocab: usize,
-        logits_len: usize,
-    ) -> Result<(), EngineError> {
-        let (n, p0) = (ids.len(), self.len);
-        self.check_room(n)?;
-        if p0 + n > ctx {
-            return Err(ModelError::Context { len: p0 + n, ctx }.into());
-        }
-        if let Some((i, &id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
-            return Err(ModelError::TokenId {
-                id,
-                pos: p0 + i,
-                vocab,
-            }
-            .into());
-        }
-        if logits_len != vocab {
-            return Err(EngineError::Logits {
-                len: logits_len,
-                vocab,
-            });
-        }
-        Ok(())
-    }
-
     /// Store K and V rows (n, n_kv_head * head_dim) of `layer` at positions len..len+n.
     pub fn write(&mut self, layer: usize, k_rows: &[f32], v_rows: &[f32], n: usize) {
         let (hd, w) = (self.head_dim, self.n_kv_head * self.head_dim);
@@ -127,6 +92,49 @@ impl KvCache {
             &self.k[layer][kv_head * n..(kv_head + 1) * n],
             &self.v[layer][kv_head * n..(kv_head + 1) * n],
         )
+    }
+}
+
+impl KvStore for KvCache {
+    fn shape(&self) -> KvShape {
+        KvShape {
+            n_layer: self.n_layer,
+            n_kv_head: self.n_kv_head,
+            head_dim: self.head_dim,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn capacity(&self) -> usize {
+        self.max_seq
+    }
+
+    fn write(&mut self, layer: usize, k_rows: &[f32], v_rows: &[f32], n: usize) {
+        KvCache::write(self, layer, k_rows, v_rows, n);
+    }
+
+    fn advance(&mut self, n: usize) {
+        self.len += n;
+    }
+
+    /// One run: a KV head's positions are contiguous.
+    fn for_each_run(
+        &self,
+        layer: usize,
+        kv_head: usize,
+        upto: usize,
+        f: &mut dyn FnMut(usize, &[f32], &[f32]),
+    ) {
+        let (keys, values) = self.head(layer, kv_head);
+        let n = upto * self.head_dim;
+        f(0, &keys[..n], &values[..n]);
+    }
+
+    fn bytes(&self) -> usize {
+        self.allocated_bytes()
     }
 }
 

@@ -1,10 +1,13 @@
 //! Project 05: a KV cache, sampling and the `Model` seam.
 //!
+//! - [`attention`]: a ragged step's attention over each sequence's own K/V store (decode rows and prefill heads).
 //! - [`kv_cache`]: per-layer K/V of shape (n_kv_head, max_seq, head_dim), allocated once.
 //! - [`llama_engine`]: p04's Llama behind `common::Model` (prefill, then one token per decode).
 //! - [`sampling`]: temperature, top-k, top-p, min-p, repetition penalty, seeded.
+//! - [`sequence`]: one request's state (history, sampler, stops, UTF-8, logprobs, finish) with `on_logits`.
 //! - [`generate`]: the loop later crates share: streaming, stop ids and strings, finish reasons.
 
+pub mod attention;
 pub mod bench;
 pub mod generate;
 pub mod gpt2_engine;
@@ -12,6 +15,7 @@ pub mod kv_cache;
 pub mod llama_engine;
 pub mod load;
 pub mod sampling;
+pub mod sequence;
 
 use thiserror::Error;
 
@@ -21,8 +25,8 @@ pub enum EngineError {
     Model(#[from] p04_transformer::ModelError),
     #[error(transparent)]
     Cache(#[from] kv_cache::CacheError),
-    #[error("logits buffer has {len} entries, the vocabulary {vocab}")]
-    Logits { len: usize, vocab: usize },
+    #[error(transparent)]
+    Batch(#[from] common::batch::BatchError),
     #[error("the prompt is empty")]
     EmptyPrompt,
 }

@@ -1,15 +1,21 @@
-//! SmolLM2 / Llama behind the `Model` seam: prefill fills the cache with the
-//! prompt's keys and values; decode runs one token against them.
+//! SmolLM2 / Llama on the batched, ragged step, and behind the `Model` seam
+//! as a one-sequence adapter over it.
 //!
-//! `step` handles n new tokens at positions len..len+n (n = prompt length at
-//! prefill, 1 at decode): the same narrative as p04's forward, except that K
-//! and V go into the cache and each query attends over the cached positions.
+//! `forward_batch` is p04's forward narrative over all the step's tokens at
+//! once: embeddings, then per layer RMSNorm → Q/K/V (one matmul over every
+//! token of every sequence) → RoPE at each token's own position → K/V
+//! appended to each sequence's store → attention per sequence → output
+//! projection → SwiGLU MLP (one matmul again), and the head only for each
+//! sequence's last token.
 
+use std::sync::Mutex;
+
+use common::batch::{Batch, BatchModel, KvShape, KvStore};
 use common::{Model, ModelInfo};
-use p04_transformer::llama::{apply_rope, attend, rms_norm_into, rope_tables, silu, Llama};
+use p04_transformer::llama::{apply_rope, rms_norm_into, rope_tables, silu, Llama};
 use p04_transformer::ModelError;
-use rayon::prelude::*;
 
+use crate::attention::{attention_step, AttentionScratch, Heads};
 use crate::kv_cache::KvCache;
 use crate::EngineError;
 
@@ -21,23 +27,41 @@ pub struct LlamaEngine {
     /// (context, head_dim / 2)
     cos: Vec<f32>,
     sin: Vec<f32>,
+    /// The `Model` adapter's step: one batch of one sequence and the
+    /// workspace it runs in (a serial caller never waits on this lock).
+    adapter: Mutex<(Batch, LlamaWorkspace)>,
 }
 
-/// A sequence's state: the cache and every activation buffer a step needs
-/// (they grow at prefill; a decode step then allocates nothing).
+/// The scratch buffers of one step, sized by its token count (they grow to
+/// the largest step seen and are kept: a decode step then allocates nothing).
+#[derive(Debug, Default)]
+pub struct LlamaWorkspace {
+    /// (n_tokens, hidden) the residual stream
+    x: Vec<f32>,
+    /// (n_tokens, hidden) normalised input of a sub-layer
+    h: Vec<f32>,
+    /// (n_tokens, n_head * head_dim)
+    q: Vec<f32>,
+    /// (n_tokens, n_kv_head * head_dim)
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// (n_tokens, n_head * head_dim)
+    att: Vec<f32>,
+    /// (n_tokens, hidden) a sub-layer's output
+    o: Vec<f32>,
+    /// (n_tokens, intermediate)
+    g: Vec<f32>,
+    u: Vec<f32>,
+    /// (n_seqs, hidden) each sequence's last row, then normalised
+    last: Vec<f32>,
+    last_h: Vec<f32>,
+    attn: AttentionScratch,
+}
+
+/// A sequence's state between steps in the `Model` adapter: its K/V only.
 #[derive(Debug)]
 pub struct LlamaCache {
     pub kv: KvCache,
-    x: Vec<f32>,
-    h: Vec<f32>,
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    att: Vec<f32>,
-    o: Vec<f32>,
-    g: Vec<f32>,
-    u: Vec<f32>,
-    scores: Vec<f32>,
 }
 
 fn grow(b: &mut Vec<f32>, n: usize) -> &mut [f32] {
@@ -56,41 +80,67 @@ impl LlamaEngine {
             info,
             cos,
             sin,
+            adapter: Mutex::new((Batch::new(), LlamaWorkspace::default())),
         }
     }
 
     /// An empty cache for up to `max_len` positions.
     pub fn new_cache(&self, max_len: usize) -> LlamaCache {
-        let c = &self.model.cfg;
+        let s = self.kv_shape();
         LlamaCache {
-            kv: KvCache::new(c.n_layer, c.n_kv_head, c.head_dim, max_len),
-            x: Vec::new(),
-            h: Vec::new(),
-            q: Vec::new(),
-            k: Vec::new(),
-            v: Vec::new(),
-            att: Vec::new(),
-            o: Vec::new(),
-            g: Vec::new(),
-            u: Vec::new(),
-            scores: vec![0.0; max_len],
+            kv: KvCache::new(s.n_layer, s.n_kv_head, s.head_dim, max_len),
         }
     }
 
-    /// Run `ids` at positions cache.len.., writing the last token's logits.
+    /// One sequence's step: `ids` at positions cache.len.., the last
+    /// token's logits into `logits` (vocab). A batch of one.
     pub fn step(
         &self,
         ids: &[u32],
         cache: &mut LlamaCache,
         logits: &mut [f32],
     ) -> Result<(), EngineError> {
+        let mut guard = self.adapter.lock().unwrap_or_else(|e| e.into_inner());
+        let (batch, ws) = &mut *guard;
+        batch.clear();
+        batch.push(ids, cache.kv.len)?;
+        let mut kv = &mut cache.kv;
+        self.forward_batch(batch, std::slice::from_mut(&mut kv), ws, logits)
+    }
+}
+
+impl BatchModel for LlamaEngine {
+    type Workspace = LlamaWorkspace;
+    fn kv_shape(&self) -> KvShape {
+        let c = &self.model.cfg;
+        KvShape {
+            n_layer: c.n_layer,
+            n_kv_head: c.n_kv_head,
+            head_dim: c.head_dim,
+        }
+    }
+
+    fn new_workspace(&self) -> LlamaWorkspace {
+        LlamaWorkspace::default()
+    }
+
+    fn forward_batch<S: KvStore>(
+        &self,
+        batch: &Batch,
+        stores: &mut [&mut S],
+        ws: &mut LlamaWorkspace,
+        logits: &mut [f32],
+    ) -> Result<(), EngineError> {
         let m = &self.model;
         let c = &m.cfg;
-        let n = ids.len();
-        let p0 = cache.kv.len;
-        cache
-            .kv
-            .check_step(ids, c.max_seq, c.vocab_size, logits.len())?;
+        batch.check(
+            stores,
+            self.kv_shape(),
+            c.max_seq,
+            c.vocab_size,
+            logits.len(),
+        )?;
+        let (n, n_seqs) = (batch.n_tokens(), batch.n_seqs());
         let (d, hd, nh, nkv, ff) = (
             c.hidden_size,
             c.head_dim,
@@ -98,10 +148,13 @@ impl LlamaEngine {
             c.n_kv_head,
             c.intermediate_size,
         );
-        let t = m.threads;
-        let half = hd / 2;
-        let LlamaCache {
-            kv,
+        let heads = Heads {
+            n_head: nh,
+            n_kv_head: nkv,
+            head_dim: hd,
+        };
+        let (t, half, eps) = (m.threads, hd / 2, c.rms_norm_eps);
+        let LlamaWorkspace {
             x,
             h,
             q,
@@ -111,76 +164,55 @@ impl LlamaEngine {
             o,
             g,
             u,
-            scores,
-        } = cache;
-        let (x, h) = (grow(x, n * d), grow(h, n * d));
-        let (q, k, v) = (
-            grow(q, n * nh * hd),
-            grow(k, n * nkv * hd),
-            grow(v, n * nkv * hd),
-        );
+            last,
+            last_h,
+            attn,
+        } = ws;
+        let (x, h) = (grow(x, n * d), grow(h, n * d)); // (n_tokens, hidden)
+        let q = grow(q, n * nh * hd); // (n_tokens, n_head * head_dim)
+        let (k, v) = (grow(k, n * nkv * hd), grow(v, n * nkv * hd)); // (n_tokens, n_kv_head * head_dim)
         let (att, o) = (grow(att, n * nh * hd), grow(o, n * d));
-        let (g, u) = (grow(g, n * ff), grow(u, n * ff));
+        let (g, u) = (grow(g, n * ff), grow(u, n * ff)); // (n_tokens, intermediate)
 
-        // 1. Embeddings of the new tokens.
-        for (r, &id) in ids.iter().enumerate() {
+        // 1. Embeddings of every new token of every sequence.
+        for (r, &id) in batch.tokens().iter().enumerate() {
             let id = id as usize;
             x[r * d..(r + 1) * d].copy_from_slice(&m.tok_embd[id * d..(id + 1) * d]);
         }
-        let (cos, sin) = (&self.cos[p0 * half..], &self.sin[p0 * half..]);
         let scale = 1.0 / (hd as f32).sqrt();
         for (l, blk) in m.blocks.iter().enumerate() {
-            // 2. Attention: project, rotate at their absolute positions, append to the cache,
-            //    then each new query attends over positions 0..=its own.
-            rms_norm_into(x, d, &blk.attn_norm, c.rms_norm_eps, h);
+            // 2. Attention. Q, K, V for all tokens in one matmul each; each
+            //    sequence's rows rotated at their own positions and its K/V
+            //    appended to its own store; then attention per sequence.
+            rms_norm_into(x, d, &blk.attn_norm, eps, h);
             blk.wq.apply_into(h, n, q, t)?;
             blk.wk.apply_into(h, n, k, t)?;
             blk.wv.apply_into(h, n, v, t)?;
-            apply_rope(q, 1, n, nh, hd, cos, sin);
-            apply_rope(k, 1, n, nkv, hd, cos, sin);
-            kv.write(l, k, v, n);
-            let kv_ref: &KvCache = kv;
-            // Query row i (position p0 + i) attends over cached positions 0..=p0 + i.
-            let attend_row = |i: usize, row: &mut [f32], scores: &mut [f32]| {
-                for head in 0..nh {
-                    let (keys, values) = kv_ref.head(l, head / (nh / nkv));
-                    let qi = &q[(i * nh + head) * hd..][..hd];
-                    attend(
-                        qi,
-                        keys,
-                        values,
-                        hd,
-                        p0 + i + 1,
-                        scale,
-                        scores,
-                        &mut row[head * hd..(head + 1) * hd],
-                    );
-                }
-            };
-            if n == 1 {
-                for (i, row) in att.chunks_exact_mut(nh * hd).enumerate() {
-                    attend_row(i, row, scores);
-                }
-            } else {
-                // Prefill: per head, S = Q K^T and O = softmax(S) V as two
-                // matmuls over all n queries at once (heads in parallel).
-                let per_head: Vec<Vec<f32>> = (0..nh)
-                    .into_par_iter()
-                    .map(|head| {
-                        prefill_head(q, kv_ref, l, head / (nh / nkv), head, nh, hd, p0, n, scale)
-                    })
-                    .collect::<Result<_, _>>()?;
-                for (head, oh) in per_head.iter().enumerate() {
-                    for i in 0..n {
-                        att[(i * nh + head) * hd..][..hd]
-                            .copy_from_slice(&oh[i * hd..(i + 1) * hd]);
-                    }
-                }
+            for (s, store) in batch.seqs().iter().zip(stores.iter_mut()) {
+                let (cos, sin) = (
+                    &self.cos[s.start_pos * half..],
+                    &self.sin[s.start_pos * half..],
+                );
+                let rows = s.offset..s.offset + s.len;
+                apply_rope(
+                    &mut q[rows.start * nh * hd..rows.end * nh * hd],
+                    1,
+                    s.len,
+                    nh,
+                    hd,
+                    cos,
+                    sin,
+                );
+                let kr = &mut k[rows.start * nkv * hd..rows.end * nkv * hd];
+                apply_rope(kr, 1, s.len, nkv, hd, cos, sin);
+                store.write(l, kr, &v[rows.start * nkv * hd..rows.end * nkv * hd], s.len);
             }
+            attention_step(q, batch, stores, l, heads, scale, attn, att)
+                .map_err(ModelError::from)?;
             blk.wo.apply_into(att, n, o, t)?;
             x.iter_mut().zip(o.iter()).for_each(|(x, o)| *x += o);
-            // 3. SwiGLU MLP.
-            rms_norm_into(x, d, &blk.ffn_norm, c.rms_norm_eps, h);
+            // 3. SwiGLU MLP over all tokens.
+            rms_norm_into(x, d, &blk.ffn_norm, eps, h);
             blk.w_gate.apply_into(h, n, g, t)?;
             blk.w_up.apply_into(h, n, u, t)?;
             g.iter_mut()
@@ -189,78 +221,19 @@ impl LlamaEngine {
             blk.w_down.apply_into(g, n, o, t)?;
             x.iter_mut().zip(o.iter()).for_each(|(x, o)| *x += o);
         }
-        kv.len += n;
-        // 4. Only the last position's logits are needed to continue.
-        let last = &x[(n - 1) * d..n * d];
-        rms_norm_into(last, d, &m.out_norm, c.rms_norm_eps, &mut h[..d]);
-        m.lm_head.apply_into(&h[..d], 1, logits, t)?;
+        for (s, store) in batch.seqs().iter().zip(stores.iter_mut()) {
+            store.advance(s.len);
+        }
+        // 4. Only each sequence's last row goes through the head.
+        let (last, last_h) = (grow(last, n_seqs * d), grow(last_h, n_seqs * d)); // (n_seqs, hidden)
+        for (i, s) in batch.seqs().iter().enumerate() {
+            let r = s.offset + s.len - 1;
+            last[i * d..(i + 1) * d].copy_from_slice(&x[r * d..(r + 1) * d]);
+        }
+        rms_norm_into(last, d, &m.out_norm, eps, last_h);
+        m.lm_head.apply_into(last_h, n_seqs, logits, t)?;
         Ok(())
     }
-}
-
-/// One head's causal attention for n queries at positions p0..p0+n over the
-/// cached keys 0..p0+n, as two matmuls: S = scale Q K^T (n, p0+n), the causal
-/// mask and a row softmax, then O = S V (n, head_dim).
-#[allow(clippy::too_many_arguments)]
-fn prefill_head(
-    q: &[f32],
-    kv: &KvCache,
-    layer: usize,
-    kv_head: usize,
-    head: usize,
-    nh: usize,
-    hd: usize,
-    p0: usize,
-    n: usize,
-    scale: f32,
-) -> Result<Vec<f32>, EngineError> {
-    use p02_matmul_bench::{sgemm, GemmOpts, MatMut, MatRef};
-    let keys_n = p0 + n;
-    let (keys, values) = kv.head(layer, kv_head);
-    let one = GemmOpts {
-        threads: 1,
-        ..GemmOpts::default()
-    };
-    let gemm_err = |e| EngineError::Model(ModelError::Gemm(e));
-    let qh = MatRef::new(&q[head * hd..], n, hd, nh * hd, 1).map_err(gemm_err)?;
-    let kt = MatRef::new(keys, keys_n, hd, hd, 1).map_err(gemm_err)?.t();
-    let mut s = vec![0.0f32; n * keys_n];
-    sgemm(
-        qh,
-        kt,
-        &mut MatMut::row_major(&mut s, n, keys_n).map_err(gemm_err)?,
-        GemmOpts {
-            alpha: scale,
-            ..one
-        },
-    )
-    .map_err(gemm_err)?;
-    for (i, row) in s.chunks_exact_mut(keys_n).enumerate() {
-        let visible = p0 + i + 1; // the causal mask: keys after position p0 + i are hidden
-        let max = row[..visible]
-            .iter()
-            .copied()
-            .fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0f32;
-        for x in &mut row[..visible] {
-            *x = (*x - max).exp();
-            sum += *x;
-        }
-        for x in &mut row[..visible] {
-            *x /= sum;
-        }
-        row[visible..].fill(0.0);
-    }
-    let v = MatRef::new(values, keys_n, hd, hd, 1).map_err(gemm_err)?;
-    let mut o = vec![0.0f32; n * hd];
-    sgemm(
-        MatRef::row_major(&s, n, keys_n).map_err(gemm_err)?,
-        v,
-        &mut MatMut::row_major(&mut o, n, hd).map_err(gemm_err)?,
-        one,
-    )
-    .map_err(gemm_err)?;
-    Ok(o)
 }
 
 impl Model for LlamaEngine {

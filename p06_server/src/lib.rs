@@ -1,6 +1,7 @@
 //! Project 06: an OpenAI-compatible streaming server.
 //!
 //! - [`request`]: JSON in, every field checked, an [`common::engine::EngineRequest`] out.
+//! - [`input`]: request → token ids and generation settings (template, BOS, context, sampling), shared by local engines.
 //! - [`serial`]: the serial engine: one model thread, a bounded queue, cancellation between steps.
 //! - [`template`]: the model's chat template (Jinja, from the GGUF).
 //! - [`routes`]: the axum router: completions, chat, models, health, metrics; SSE streaming.
@@ -11,6 +12,7 @@
 pub mod bench;
 pub mod bench_overhead;
 pub mod error;
+pub mod input;
 pub mod metrics;
 pub mod request;
 pub mod response;

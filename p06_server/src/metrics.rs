@@ -27,8 +27,10 @@ const E2E_BUCKETS: &[f64] = &[
     480.0, 960.0, 1920.0, 7680.0,
 ];
 
+/// A Prometheus histogram (public so engines that export their own, like
+/// p07's batch sizes, render them the same way).
 #[derive(Clone, Debug)]
-struct Histogram {
+pub struct Histogram {
     bounds: &'static [f64],
     /// Non-cumulative counts per bucket; the last is +Inf.
     counts: Vec<u64>,
@@ -36,7 +38,7 @@ struct Histogram {
 }
 
 impl Histogram {
-    fn new(bounds: &'static [f64]) -> Histogram {
+    pub fn new(bounds: &'static [f64]) -> Histogram {
         Histogram {
             bounds,
             counts: vec![0; bounds.len() + 1],
@@ -44,7 +46,7 @@ impl Histogram {
         }
     }
 
-    fn observe(&mut self, v: f64) {
+    pub fn observe(&mut self, v: f64) {
         let i = self
             .bounds
             .iter()
@@ -54,7 +56,8 @@ impl Histogram {
         self.sum += v;
     }
 
-    fn render(&self, out: &mut String, name: &str, help: &str, labels: &str) {
+    /// `labels` is the text inside the braces, e.g. `model_name=\"x\"`.
+    pub fn render(&self, out: &mut String, name: &str, help: &str, labels: &str) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
         let mut acc = 0;
         for (i, c) in self.counts.iter().enumerate() {

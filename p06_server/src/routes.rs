@@ -77,7 +77,11 @@ async fn metrics(State(st): State<AppState>) -> Response {
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        st.metrics.render(st.engine.load()),
+        {
+            let mut text = st.metrics.render(st.engine.load());
+            st.engine.extra_metrics(&mut text);
+            text
+        },
     )
         .into_response()
 }

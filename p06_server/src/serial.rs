@@ -14,16 +14,15 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use common::engine::{
-    Engine, EngineError, EngineEvent, EngineLoad, EngineRequest, EngineStream, Finish, PromptInput,
+    Engine, EngineError, EngineEvent, EngineLoad, EngineRequest, EngineStream, Finish,
     TokenLogprob, TokenOut,
 };
 use common::Model;
 use p04_transformer::Tokenizer;
 use p05_kv_cache::generate::{FinishReason, GenerateError, GenerateParams, Generator, Step};
-use p05_kv_cache::sampling::SamplingParams;
 use tokio::sync::mpsc;
 
-use crate::template::ChatTemplate;
+use crate::input::{InputProcessor, Prepared};
 
 /// A queued request: token ids, settings, and where its events go.
 #[derive(Debug)]
@@ -43,16 +42,12 @@ struct Shared {
     closing: AtomicBool,
     /// Seconds per finished request, smoothed (f64 bits): the Retry-After hint.
     service_s: AtomicU64,
-    seed_counter: AtomicU64,
 }
 
 #[derive(Debug)]
 pub struct SerialEngine {
     name: String,
-    context: usize,
-    vocab: usize,
-    tokenizer: Arc<Tokenizer>,
-    template: ChatTemplate,
+    input: InputProcessor,
     queue: mpsc::Sender<Job>,
     shared: Arc<Shared>,
     worker: Option<JoinHandle<()>>,
@@ -69,18 +64,9 @@ impl SerialEngine {
     where
         M: Model + Send + Sync + 'static,
     {
-        let info = model.info().clone();
-        let token = |id: Option<u32>| id.map(|i| tokenizer.decode(&[i])).unwrap_or_default();
-        let template = ChatTemplate::new(
-            tokenizer.chat_template.as_deref(),
-            &token(tokenizer.bos_id),
-            &token(tokenizer.eos_id),
-        )?;
+        let input = InputProcessor::new(tokenizer.clone(), model.info())?;
         let (queue, rx) = mpsc::channel(max_waiting.max(1));
-        let shared = Arc::new(Shared {
-            seed_counter: AtomicU64::new(common::openai::unix_now()),
-            ..Shared::default()
-        });
+        let shared = Arc::new(Shared::default());
         let worker = {
             let (tok, shared) = (tokenizer.clone(), shared.clone());
             std::thread::Builder::new()
@@ -90,51 +76,11 @@ impl SerialEngine {
         };
         Ok(SerialEngine {
             name: name.to_string(),
-            context: info.context_length,
-            vocab: info.vocab_size,
-            tokenizer,
-            template,
+            input,
             queue,
             shared,
             worker: Some(worker),
         })
-    }
-
-    /// Token ids for a prompt (BOS first when the tokenizer says so).
-    fn encode(&self, prompt: &PromptInput) -> Result<Vec<u32>, EngineError> {
-        let invalid = |param: &str, message: String| EngineError::InvalidRequest {
-            message,
-            param: Some(param.to_string()),
-        };
-        let text = match prompt {
-            PromptInput::Tokens(ids) => {
-                if let Some(bad) = ids.iter().find(|&&i| i as usize >= self.vocab) {
-                    return Err(invalid(
-                        "prompt",
-                        format!(
-                            "token id {bad} is outside the vocabulary (0..{})",
-                            self.vocab
-                        ),
-                    ));
-                }
-                return Ok(ids.clone());
-            }
-            PromptInput::Text(t) => t.clone(),
-            PromptInput::Chat(messages) => {
-                self.template
-                    .render(messages)
-                    .map_err(|e| EngineError::InvalidRequest {
-                        message: e.message,
-                        param: e.param,
-                    })?
-            }
-        };
-        let mut ids: Vec<u32> = Vec::new();
-        if self.tokenizer.add_bos {
-            ids.extend(self.tokenizer.bos_id);
-        }
-        ids.extend(self.tokenizer.encode(&text));
-        Ok(ids)
     }
 }
 
@@ -144,7 +90,7 @@ impl Engine for SerialEngine {
     }
 
     fn context_length(&self) -> Option<usize> {
-        Some(self.context)
+        Some(self.input.context())
     }
 
     fn load(&self) -> EngineLoad {
@@ -161,51 +107,11 @@ impl Engine for SerialEngine {
                 "the server is shutting down".into(),
             ));
         }
-        let prompt = self.encode(&request.prompt)?;
-        if prompt.is_empty() {
-            return Err(EngineError::InvalidRequest {
-                message: "the prompt is empty".into(),
-                param: Some("prompt".into()),
-            });
-        }
-        let room = self.context.saturating_sub(prompt.len());
-        let max_tokens = request.max_tokens.unwrap_or(room);
-        if max_tokens == 0 || prompt.len() + max_tokens > self.context {
-            return Err(EngineError::ContextLength {
-                prompt: prompt.len(),
-                max_tokens,
-                context: self.context,
-            });
-        }
-        let s = &request.sampling;
-        let sampling = SamplingParams {
-            temperature: s.temperature,
-            top_k: s.top_k,
-            top_p: s.top_p,
-            min_p: s.min_p,
-            repetition_penalty: s.repetition_penalty,
-            seed: s
-                .seed
-                .unwrap_or_else(|| self.shared.seed_counter.fetch_add(1, Ordering::Relaxed)),
-        };
-        sampling
-            .validate()
-            .map_err(|e| EngineError::InvalidRequest {
-                message: e.to_string(),
-                param: None,
-            })?;
+        let Prepared { prompt, params } = self.input.prepare(request)?;
         let (events, rx) = mpsc::unbounded_channel();
         let job = Job {
             prompt,
-            params: GenerateParams {
-                max_tokens,
-                sampling,
-                stop_ids: Vec::new(),
-                stop_strings: request.stop,
-                ignore_eos: request.ignore_eos,
-                min_tokens: request.min_tokens,
-                logprobs: request.logprobs,
-            },
+            params,
             events,
         };
         self.shared.waiting.fetch_add(1, Ordering::SeqCst);
@@ -286,27 +192,7 @@ fn run_job<M: Model>(
     if cancelled() {
         return Ok((Finish::Abort, prompt_tokens, 0));
     }
-    let mut gen = match Generator::start(model, tok, &job.prompt, &job.params) {
-        Ok(g) => g,
-        Err(e) => {
-            return Err(match e {
-                GenerateError::Context {
-                    prompt,
-                    max_tokens,
-                    context,
-                } => EngineError::ContextLength {
-                    prompt,
-                    max_tokens,
-                    context,
-                },
-                GenerateError::Sampling(s) => EngineError::InvalidRequest {
-                    message: s.to_string(),
-                    param: None,
-                },
-                GenerateError::Model(m) => EngineError::Internal(m.to_string()),
-            })
-        }
-    };
+    let mut gen = Generator::start(model, tok, &job.prompt, &job.params).map_err(engine_error)?;
     shared
         .kv_cache_bytes
         .store(gen.cache_bytes(), Ordering::SeqCst);
@@ -334,7 +220,28 @@ fn run_job<M: Model>(
     }
 }
 
-fn token_out(tok: &Tokenizer, step: &Step) -> TokenOut {
+/// A generation error as the engine seam reports it.
+pub fn engine_error<E: std::error::Error>(e: GenerateError<E>) -> EngineError {
+    match e {
+        GenerateError::Context {
+            prompt,
+            max_tokens,
+            context,
+        } => EngineError::ContextLength {
+            prompt,
+            max_tokens,
+            context,
+        },
+        GenerateError::Sampling(s) => EngineError::InvalidRequest {
+            message: s.to_string(),
+            param: None,
+        },
+        GenerateError::Model(m) => EngineError::Internal(m.to_string()),
+    }
+}
+
+/// A sampled step as the engine seam streams it (text, logprobs as text and bytes).
+pub fn token_out(tok: &Tokenizer, step: &Step) -> TokenOut {
     let lp = |id: u32, logprob: f32| {
         let bytes = tok.decode_bytes(&[id]);
         TokenLogprob {

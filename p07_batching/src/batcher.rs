@@ -1,0 +1,394 @@
+//! A dynamic (request-level) batcher. One OS thread owns the model; the
+//! HTTP side tokenizes and queues (bounded: a full queue is a 429).
+//!
+//! The model thread, in a loop:
+//! 1. **collect**: wait for a request; take whatever else is queued, up to
+//!    `max_batch`. If the first request queued while a batch was running
+//!    (the engine is busy, so load is present), wait up to `max_wait` more
+//!    to fill the batch; a request that finds the engine idle goes at once.
+//! 2. **prefill** every member's prompt in one batched, ragged step.
+//! 3. **decode in lock-step**: one step runs one token of every member
+//!    still running, until the last one finishes. A finished member leaves
+//!    its slot empty (the waste Project 08 removes); a cancelled one frees
+//!    its K/V at the next step without disturbing the others.
+//!
+//! Each step reads schedule → run → post-process: build the [`Batch`] from
+//! the live members, run [`BatchModel::forward_batch`], then
+//! [`Sequence::on_logits`] for each member's row.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{self as std_mpsc, RecvTimeoutError, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use common::batch::{Batch, BatchModel, KvStore};
+use common::engine::{
+    Engine, EngineError, EngineEvent, EngineLoad, EngineRequest, EngineStream, Finish,
+};
+use p04_transformer::Tokenizer;
+use p05_kv_cache::generate::{FinishReason, GenerateParams, Sequence};
+use p05_kv_cache::kv_cache::KvCache;
+use p06_server::input::{InputProcessor, Prepared};
+use p06_server::serial::{engine_error, token_out};
+use tokio::sync::mpsc;
+
+use crate::stats::BatchStats;
+
+/// The batcher's knobs.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchConfig {
+    /// Most requests in one batch (≥ 1).
+    pub max_batch: usize,
+    /// How long a busy batcher may wait to fill a batch.
+    pub max_wait: Duration,
+    /// Requests that may wait for a batch; more get 429.
+    pub max_waiting: usize,
+}
+
+impl Default for BatchConfig {
+    fn default() -> Self {
+        BatchConfig {
+            max_batch: 16,
+            max_wait: Duration::from_millis(5),
+            max_waiting: 256,
+        }
+    }
+}
+
+/// A queued request.
+#[derive(Debug)]
+struct Job {
+    prompt: Vec<u32>,
+    params: GenerateParams,
+    events: mpsc::UnboundedSender<EngineEvent>,
+    arrival: Instant,
+}
+
+/// Counters shared by the HTTP side and the model thread.
+#[derive(Debug, Default)]
+struct Shared {
+    waiting: AtomicUsize,
+    running: AtomicUsize,
+    kv_cache_bytes: AtomicUsize,
+    /// Set by `abort_all`: refuse new work, end the running batch.
+    closing: AtomicBool,
+    /// Seconds per batch, smoothed (f64 bits): the Retry-After hint.
+    batch_s: AtomicU64,
+    stats: Mutex<BatchStats>,
+}
+
+#[derive(Debug)]
+pub struct BatchingEngine {
+    name: String,
+    labels: String,
+    input: InputProcessor,
+    config: BatchConfig,
+    queue: Option<std_mpsc::SyncSender<Job>>,
+    shared: Arc<Shared>,
+    worker: Option<JoinHandle<()>>,
+}
+
+impl BatchingEngine {
+    /// Start the model thread.
+    pub fn start<M>(
+        model: Arc<M>,
+        tokenizer: Arc<Tokenizer>,
+        name: &str,
+        config: BatchConfig,
+    ) -> Result<BatchingEngine, String>
+    where
+        M: BatchModel + 'static,
+    {
+        let config = BatchConfig {
+            max_batch: config.max_batch.max(1),
+            max_waiting: config.max_waiting.max(1),
+            ..config
+        };
+        let input = InputProcessor::new(tokenizer.clone(), model.info())?;
+        let (queue, rx) = std_mpsc::sync_channel(config.max_waiting);
+        let shared = Arc::new(Shared::default());
+        let worker = {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name("model".into())
+                .spawn(move || model_thread(&*model, &tokenizer, &rx, &shared, config))
+                .map_err(|e| format!("cannot start the model thread: {e}"))?
+        };
+        let escaped = name.replace('\\', "\\\\").replace('"', "\\\"");
+        Ok(BatchingEngine {
+            name: name.to_string(),
+            labels: format!("model_name=\"{escaped}\""),
+            input,
+            config,
+            queue: Some(queue),
+            shared,
+            worker: Some(worker),
+        })
+    }
+
+    /// The batcher's statistics so far.
+    pub fn stats(&self) -> BatchStats {
+        self.shared
+            .stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+impl Engine for BatchingEngine {
+    fn model_name(&self) -> &str {
+        &self.name
+    }
+
+    fn context_length(&self) -> Option<usize> {
+        Some(self.input.context())
+    }
+
+    fn load(&self) -> EngineLoad {
+        EngineLoad {
+            running: self.shared.running.load(Ordering::SeqCst),
+            waiting: self.shared.waiting.load(Ordering::SeqCst),
+            kv_cache_bytes: self.shared.kv_cache_bytes.load(Ordering::SeqCst),
+        }
+    }
+
+    fn submit(&self, request: EngineRequest) -> Result<EngineStream, EngineError> {
+        let unavailable = || EngineError::Unavailable("the server is shutting down".into());
+        if self.shared.closing.load(Ordering::SeqCst) {
+            return Err(unavailable());
+        }
+        let Some(queue) = &self.queue else {
+            return Err(unavailable());
+        };
+        let Prepared { prompt, params } = self.input.prepare(request)?;
+        let (events, rx) = mpsc::unbounded_channel();
+        let job = Job {
+            prompt,
+            params,
+            events,
+            arrival: Instant::now(),
+        };
+        self.shared.waiting.fetch_add(1, Ordering::SeqCst);
+        if let Err(e) = queue.try_send(job) {
+            let waiting = self.shared.waiting.fetch_sub(1, Ordering::SeqCst) - 1;
+            return Err(match e {
+                TrySendError::Full(_) => {
+                    let per = f64::from_bits(self.shared.batch_s.load(Ordering::Relaxed));
+                    let batches = (waiting / self.config.max_batch + 1) as f64;
+                    EngineError::QueueFull {
+                        waiting,
+                        retry_after_s: (batches * per).ceil().max(1.0) as u64,
+                    }
+                }
+                TrySendError::Disconnected(_) => {
+                    EngineError::Unavailable("the model thread has stopped".into())
+                }
+            });
+        }
+        Ok(rx)
+    }
+
+    fn abort_all(&self) {
+        self.shared.closing.store(true, Ordering::SeqCst);
+    }
+
+    fn extra_metrics(&self, out: &mut String) {
+        self.stats().render(out, &self.labels);
+    }
+}
+
+impl Drop for BatchingEngine {
+    fn drop(&mut self) {
+        self.shared.closing.store(true, Ordering::SeqCst);
+        // Closing the queue ends the model thread after its current batch.
+        drop(self.queue.take());
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+fn model_thread<M: BatchModel>(
+    model: &M,
+    tok: &Tokenizer,
+    queue: &std_mpsc::Receiver<Job>,
+    shared: &Shared,
+    config: BatchConfig,
+) {
+    let mut ws = model.new_workspace();
+    let mut last_batch_end = Instant::now();
+    while let Some(jobs) = collect(queue, config, last_batch_end) {
+        let t0 = Instant::now();
+        shared.waiting.fetch_sub(jobs.len(), Ordering::SeqCst);
+        {
+            let mut st = shared.stats.lock().unwrap_or_else(|e| e.into_inner());
+            st.batches += 1;
+            st.batch_size.observe(jobs.len() as f64);
+            for j in &jobs {
+                st.queue_time.observe((t0 - j.arrival).as_secs_f64());
+            }
+        }
+        run_batch(model, tok, &mut ws, jobs, shared);
+        last_batch_end = Instant::now();
+        let s = (last_batch_end - t0).as_secs_f64();
+        let old = f64::from_bits(shared.batch_s.load(Ordering::Relaxed));
+        let new = if old == 0.0 { s } else { 0.8 * old + 0.2 * s };
+        shared.batch_s.store(new.to_bits(), Ordering::Relaxed);
+    }
+}
+
+/// Step 1: the next batch, or None once the queue is closed. A request that
+/// arrived while the previous batch ran (`busy_until`) may wait up to
+/// `max_wait` for others to join; one that found the engine idle does not.
+fn collect(
+    queue: &std_mpsc::Receiver<Job>,
+    config: BatchConfig,
+    busy_until: Instant,
+) -> Option<Vec<Job>> {
+    let first = queue.recv().ok()?;
+    let busy = first.arrival < busy_until;
+    let mut jobs = vec![first];
+    while jobs.len() < config.max_batch {
+        match queue.try_recv() {
+            Ok(j) => jobs.push(j),
+            Err(_) => break,
+        }
+    }
+    if busy {
+        let deadline = Instant::now() + config.max_wait;
+        while jobs.len() < config.max_batch {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match queue.recv_timeout(left) {
+                Ok(j) => jobs.push(j),
+                Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => break,
+            }
+        }
+    }
+    Some(jobs)
+}
+
+/// One member of a running batch. `kv` is None once it has finished or
+/// was cancelled (its K/V freed, its slot empty).
+#[derive(Debug)]
+struct Member {
+    job: Job,
+    seq: Sequence,
+    kv: Option<KvCache>,
+}
+
+impl Member {
+    fn end(&mut self, event: EngineEvent) {
+        self.kv = None;
+        let _ = self.job.events.send(event);
+    }
+
+    fn done(&mut self, finish: Finish) {
+        let event = EngineEvent::Done {
+            finish,
+            prompt_tokens: self.seq.prompt_tokens(),
+            completion_tokens: self.seq.generated_tokens(),
+        };
+        self.end(event);
+    }
+}
+
+/// Steps 2 and 3: prefill the batch together, then decode in lock-step
+/// until every member has finished or left.
+fn run_batch<M: BatchModel>(
+    model: &M,
+    tok: &Tokenizer,
+    ws: &mut M::Workspace,
+    jobs: Vec<Job>,
+    shared: &Shared,
+) {
+    let shape = model.kv_shape();
+    let vocab = model.info().vocab_size;
+    let mut members: Vec<Member> = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        match Sequence::new::<M::Error>(model.info(), &job.prompt, &job.params) {
+            Ok(seq) => {
+                let max_len = job.prompt.len() + job.params.max_tokens;
+                let kv = KvCache::new(shape.n_layer, shape.n_kv_head, shape.head_dim, max_len);
+                members.push(Member {
+                    job,
+                    seq,
+                    kv: Some(kv),
+                });
+            }
+            Err(e) => {
+                let _ = job.events.send(EngineEvent::Error(engine_error(e)));
+            }
+        }
+    }
+    let slots = members.len() as u64;
+    shared.running.fetch_add(members.len(), Ordering::SeqCst);
+    let mut batch = Batch::new();
+    let mut logits: Vec<f32> = Vec::new();
+    let mut prefill = true;
+    loop {
+        // Schedule: drop members whose client left; the rest bring their next token.
+        let closing = shared.closing.load(Ordering::SeqCst);
+        for m in members.iter_mut().filter(|m| m.kv.is_some()) {
+            if closing || m.job.events.is_closed() {
+                m.done(Finish::Abort);
+            }
+        }
+        batch.clear();
+        let mut stores: Vec<&mut KvCache> = Vec::with_capacity(members.len());
+        let mut rows: Vec<usize> = Vec::with_capacity(members.len());
+        for (i, m) in members.iter_mut().enumerate() {
+            let Some(kv) = m.kv.as_mut() else { continue };
+            let pushed = match m.seq.next_input() {
+                Some(t) if !prefill => batch.push(&[t], kv.len()),
+                _ => batch.push(m.seq.prompt(), kv.len()),
+            };
+            if pushed.is_ok() {
+                stores.push(kv);
+                rows.push(i);
+            }
+        }
+        if rows.is_empty() {
+            break;
+        }
+        shared
+            .kv_cache_bytes
+            .store(stores.iter().map(|s| s.bytes()).sum(), Ordering::SeqCst);
+        if !prefill {
+            let mut st = shared.stats.lock().unwrap_or_else(|e| e.into_inner());
+            st.slot_steps += slots;
+            st.empty_slot_steps += slots - rows.len() as u64;
+        }
+        // Run: one batched, ragged step for every live member.
+        logits.resize(rows.len() * vocab, 0.0);
+        if let Err(e) = model.forward_batch(&batch, &mut stores, ws, &mut logits) {
+            let err = EngineError::Internal(e.to_string());
+            for &i in &rows {
+                members[i].end(EngineEvent::Error(err.clone()));
+            }
+            break;
+        }
+        drop(stores);
+        prefill = false;
+        // Post-process: sample each member's row, stream, retire the finished.
+        for (r, &i) in rows.iter().enumerate() {
+            let m = &mut members[i];
+            let before = m.seq.generated_tokens();
+            let step = m
+                .seq
+                .on_logits(&mut logits[r * vocab..(r + 1) * vocab], tok);
+            if m.seq.generated_tokens() > before {
+                let _ = m.job.events.send(EngineEvent::Token(token_out(tok, &step)));
+            }
+            if let Some(f) = step.finish {
+                m.done(match f {
+                    FinishReason::Stop => Finish::Stop,
+                    FinishReason::Length => Finish::Length,
+                });
+            }
+        }
+    }
+    shared.kv_cache_bytes.store(0, Ordering::SeqCst);
+    shared.running.fetch_sub(slots as usize, Ordering::SeqCst);
+}
