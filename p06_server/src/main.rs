@@ -5,14 +5,13 @@
 //!   cargo run --release -p p06_server -- bench --url http://127.0.0.1:8000 --rate 2 --num-requests 100
 
 use std::io::Write;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use p06_server::bench::BenchArgs;
-use p06_server::server::{self, LoadingEngine};
+use p06_server::server;
 use p06_server::AppState;
 
 #[derive(Debug, Parser)]
@@ -93,50 +92,17 @@ async fn serve(a: ServeArgs) -> Result<()> {
         let engine = Arc::new(common::client::RemoteEngine::new(up, &name));
         let state = AppState::new(engine, a.max_body_bytes);
         println!("ready: forwarding to {up}");
-        return run(listener, state, Duration::from_secs(a.shutdown_grace_s)).await;
+        return Ok(server::run_until_signal(
+            listener,
+            state,
+            Duration::from_secs(a.shutdown_grace_s),
+        )
+        .await?);
     }
-    let loading = Arc::new(LoadingEngine::new(&name));
-    let state = AppState::new(loading.clone(), a.max_body_bytes);
-    state.ready.store(false, Ordering::SeqCst);
-    {
-        let (state, spec, name) = (state.clone(), a.model.clone(), name.clone());
-        let max_waiting = a.max_waiting;
-        tokio::task::spawn_blocking(move || {
-            let t0 = Instant::now();
-            let engine = server::resolve_model(&spec)
-                .and_then(|path| server::load_serial(&path, &name, max_waiting));
-            match engine {
-                Ok(e) => {
-                    loading.set(Arc::new(e));
-                    state.ready.store(true, Ordering::SeqCst);
-                    println!("ready: model loaded in {:.1} s", t0.elapsed().as_secs_f64());
-                    let _ = std::io::stdout().flush();
-                }
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    std::process::exit(1);
-                }
-            }
-        });
-    }
-    run(listener, state, Duration::from_secs(a.shutdown_grace_s)).await
-}
-
-/// Serve until SIGTERM/SIGINT, then drain for `grace`.
-async fn run(listener: tokio::net::TcpListener, state: AppState, grace: Duration) -> Result<()> {
-    let shutdown = async move {
-        server::shutdown_signal().await;
-        println!("shutting down: draining for up to {} s", grace.as_secs());
-        let _ = std::io::stdout().flush();
-        // Connections that still will not close (a client that stopped
-        // reading) do not hold the process past the deadline.
-        tokio::spawn(async move {
-            tokio::time::sleep(grace + Duration::from_secs(5)).await;
-            eprintln!("shutdown deadline passed with connections open; exiting");
-            std::process::exit(0);
-        });
-    };
-    server::serve(listener, state, shutdown, grace).await?;
-    println!("stopped");
-    Ok(())
+    let (spec, max_waiting) = (a.model.clone(), a.max_waiting);
+    let state = server::load_in_background(&name, a.max_body_bytes, move |name| {
+        let path = server::resolve_model(&spec)?;
+        Ok(Arc::new(server::load_serial(&path, name, max_waiting)?))
+    });
+    Ok(server::run_until_signal(listener, state, Duration::from_secs(a.shutdown_grace_s)).await?)
 }

@@ -147,3 +147,55 @@ pub async fn serve(
         .with_graceful_shutdown(drain)
         .await
 }
+
+/// Serve until SIGTERM/SIGINT, then drain for `grace` (the binaries' main loop).
+pub async fn run_until_signal(
+    listener: TcpListener,
+    state: AppState,
+    grace: Duration,
+) -> std::io::Result<()> {
+    let shutdown = async move {
+        shutdown_signal().await;
+        println!("shutting down: draining for up to {} s", grace.as_secs());
+        let _ = std::io::Write::flush(&mut std::io::stdout());
+        // Connections that still will not close (a client that stopped
+        // reading) do not hold the process past the deadline.
+        tokio::spawn(async move {
+            tokio::time::sleep(grace + Duration::from_secs(5)).await;
+            eprintln!("shutdown deadline passed with connections open; exiting");
+            std::process::exit(0);
+        });
+    };
+    serve(listener, state, shutdown, grace).await?;
+    println!("stopped");
+    Ok(())
+}
+
+/// Serve at once and load in the background: `/health` and requests answer
+/// 503 until `load` (run on a blocking thread, given the served name) returns
+/// the engine; a failed load ends the process with its message.
+pub fn load_in_background<F>(name: &str, max_body_bytes: usize, load: F) -> AppState
+where
+    F: FnOnce(&str) -> Result<Arc<dyn Engine>, String> + Send + 'static,
+{
+    let loading = Arc::new(LoadingEngine::new(name));
+    let state = AppState::new(loading.clone(), max_body_bytes);
+    state.ready.store(false, Ordering::SeqCst);
+    let (ready, name) = (state.clone(), name.to_string());
+    tokio::task::spawn_blocking(move || {
+        let t0 = std::time::Instant::now();
+        match load(&name) {
+            Ok(e) => {
+                loading.set(e);
+                ready.ready.store(true, Ordering::SeqCst);
+                println!("ready: model loaded in {:.1} s", t0.elapsed().as_secs_f64());
+                let _ = std::io::Write::flush(&mut std::io::stdout());
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                std::process::exit(1);
+            }
+        }
+    });
+    state
+}

@@ -7,10 +7,14 @@
 //!   trait: `max_batch`, `max_wait`, a batch prefills together and decodes
 //!   in lock-step until its last member finishes.
 //! - [`stats`]: the batcher's own metrics (batch sizes, queue time, empty slots).
-//! - [`bench`]: aggregate decode tok/s vs batch size beside single-sequence steps.
+//! - [`bench`]: aggregate decode tok/s vs batch size beside single-sequence steps;
+//!   [`serve_bench`]: the batcher behind HTTP vs p06's serial server; [`bench_cmd`]: the
+//!   two bench commands (tables, numbers.md rows, plots).
 
 pub mod batcher;
 pub mod bench;
+pub mod bench_cmd;
+pub mod serve_bench;
 pub mod stats;
 
 pub use batcher::{BatchConfig, BatchingEngine};

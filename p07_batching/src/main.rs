@@ -1,1 +1,110 @@
-fn main() {}
+//! `p07_batching`: serve a model over the OpenAI API with a dynamic batcher,
+//! or measure the batched step and the batcher.
+//!
+//!   cargo run --release -p p07_batching -- --model smollm2 --port 8000 --max-batch 16 --max-wait-ms 5
+//!   cargo run --release -p p07_batching -- bench-step
+//!   cargo run --release -p p07_batching -- bench-serve
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use p06_server::server;
+use p07_batching::{bench_cmd, BatchConfig, BatchingEngine};
+
+#[derive(Debug, Parser)]
+#[command(about = "Project 07: a batched forward step and a dynamic batcher behind the OpenAI API")]
+#[command(args_conflicts_with_subcommands = true)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+    #[command(flatten)]
+    serve: ServeArgs,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Serve (the default).
+    Serve(ServeArgs),
+    /// Aggregate decode tok/s of the batched step vs batch size, beside single-sequence steps.
+    BenchStep(bench_cmd::StepArgs),
+    /// The batcher behind HTTP vs p06's serial server: throughput, TTFT, wait x batch sweep, lock-step penalty.
+    BenchServe(bench_cmd::ServeBenchArgs),
+}
+
+#[derive(Clone, Debug, Args)]
+struct ServeArgs {
+    /// `smollm2` (fetched on first run), a .gguf file or an HF Llama directory.
+    #[arg(long, default_value = "smollm2")]
+    model: String,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// 0 picks a free port (the chosen one is printed).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// The name clients pass as `model` (default: SmolLM2-135M-Instruct or the file stem).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Most requests in one batch.
+    #[arg(long, default_value_t = 16)]
+    max_batch: usize,
+    /// How long a busy batcher may wait to fill a batch (an idle one never waits).
+    #[arg(long, default_value_t = 5)]
+    max_wait_ms: u64,
+    /// Requests that may wait for a batch; more get 429.
+    #[arg(long, default_value_t = 256)]
+    max_waiting: usize,
+    /// Larger request bodies get 413.
+    #[arg(long, default_value_t = 1 << 20)]
+    max_body_bytes: usize,
+    /// Seconds in-flight requests get to finish after SIGTERM/SIGINT.
+    #[arg(long, default_value_t = 30)]
+    shutdown_grace_s: u64,
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    match cli.cmd {
+        None => rt.block_on(serve(cli.serve)),
+        Some(Cmd::Serve(a)) => rt.block_on(serve(a)),
+        Some(Cmd::BenchStep(a)) => bench_cmd::step(&a),
+        Some(Cmd::BenchServe(a)) => rt.block_on(bench_cmd::serve(&a)),
+    }
+}
+
+async fn serve(a: ServeArgs) -> Result<()> {
+    let name = a
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| server::served_name(&a.model));
+    let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port))
+        .await
+        .with_context(|| format!("binding {}:{}", a.host, a.port))?;
+    println!(
+        "listening on http://{} (model {name})",
+        listener.local_addr()?
+    );
+    let config = BatchConfig {
+        max_batch: a.max_batch,
+        max_wait: Duration::from_millis(a.max_wait_ms),
+        max_waiting: a.max_waiting,
+    };
+    let spec = a.model.clone();
+    let state = server::load_in_background(&name, a.max_body_bytes, move |name| {
+        let path = server::resolve_model(&spec)?;
+        let loaded =
+            p05_kv_cache::load::load(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let tokenizer = loaded
+            .tokenizer
+            .ok_or_else(|| format!("{} has no tokenizer to serve text with", path.display()))?;
+        let engine =
+            BatchingEngine::start(Arc::new(loaded.engine), Arc::new(tokenizer), name, config)?;
+        Ok(Arc::new(engine))
+    });
+    Ok(server::run_until_signal(listener, state, Duration::from_secs(a.shutdown_grace_s)).await?)
+}

@@ -1,0 +1,429 @@
+//! The two bench commands: tables on stdout, rows in numbers.md, plots in
+//! `p07_batching/plots/`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use common::loadgen::Arrival;
+use common::numbers::{command_line, Recorder, Row};
+use common::plot::{line_chart, Labels, Scale, Series};
+use p05_kv_cache::llama_engine::LlamaEngine;
+
+use crate::bench::{matmul_params, measure, StepPoint};
+use crate::serve_bench::{drive, requests, Engines};
+use crate::BatchConfig;
+
+#[derive(Clone, Debug, Args)]
+pub struct StepArgs {
+    /// `smollm2` or a model path.
+    #[arg(long, default_value = "smollm2")]
+    pub model: String,
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
+    pub batches: Vec<usize>,
+    #[arg(long, value_delimiter = ',', default_value = "64,512")]
+    pub positions: Vec<usize>,
+    /// Timed steps per point (median reported).
+    #[arg(long, default_value_t = 5)]
+    pub samples: usize,
+    #[arg(long)]
+    pub no_record: bool,
+}
+
+fn load(spec: &str) -> Result<(LlamaEngine, p04_transformer::Tokenizer)> {
+    let path = p06_server::server::resolve_model(spec).map_err(anyhow::Error::msg)?;
+    let loaded = p05_kv_cache::load::load(&path).with_context(|| path.display().to_string())?;
+    let tok = loaded.tokenizer.context("the model has no tokenizer")?;
+    Ok((loaded.engine, tok))
+}
+
+fn plots_dir() -> std::path::PathBuf {
+    common::assets::workspace_root().join("p07_batching/plots")
+}
+
+pub fn step(a: &StepArgs) -> Result<()> {
+    let (engine, _) = load(&a.model)?;
+    let threads = engine.model.threads;
+    let params = matmul_params(&engine);
+    let weight_bytes = params * 4;
+    // The roofline of this machine, measured now: a step takes at least
+    // max(weights / bandwidth, 2 params B / peak); the batch where the two
+    // meet is where it turns compute-bound.
+    let (peak_gflops, simd) = p02_matmul_bench::ceilings::peak_gflops(threads);
+    let bw_gbs = p02_matmul_bench::ceilings::read_bandwidth(weight_bytes, threads);
+    let knee = 2.0 * peak_gflops / bw_gbs;
+    println!(
+        "weights {:.0} MB f32, {threads} threads: peak {peak_gflops:.1} GFLOP/s ({simd}), read bandwidth {bw_gbs:.1} GB/s -> compute-bound from batch ~{knee:.0}",
+        weight_bytes as f64 / 1e6
+    );
+    let predict = |b: usize| -> f64 {
+        let t = (weight_bytes as f64 / (bw_gbs * 1e9))
+            .max(2.0 * params as f64 * b as f64 / (peak_gflops * 1e9));
+        b as f64 / t
+    };
+    println!(
+        "{:>5} {:>5} {:>11} {:>11} {:>12} {:>12} {:>8} {:>9} {:>8} {:>9}",
+        "pos",
+        "batch",
+        "step ms",
+        "single ms",
+        "tok/s batch",
+        "tok/s single",
+        "vs b=1",
+        "predicted",
+        "GB/s",
+        "GFLOP/s"
+    );
+    let mut points: Vec<StepPoint> = Vec::new();
+    let mut rows = Vec::new();
+    for &pos in &a.positions {
+        let mut base = None;
+        for &b in &a.batches {
+            let p = measure(&engine, b, pos, a.samples)?;
+            let b1 = *base.get_or_insert(p.batched_tok_per_s());
+            println!(
+                "{:>5} {:>5} {:>11.1} {:>11.1} {:>12.1} {:>12.1} {:>7.2}x {:>9.1} {:>8.1} {:>9.1}",
+                pos,
+                b,
+                p.batched_s * 1e3,
+                p.single_s * 1e3,
+                p.batched_tok_per_s(),
+                p.single_tok_per_s(),
+                p.batched_tok_per_s() / b1,
+                predict(b),
+                p.bytes / p.batched_s / 1e9,
+                p.flops / p.batched_s / 1e9,
+            );
+            rows.push(
+                Row::new(
+                    format!("p07 batched decode pos {pos} batch {b}"),
+                    p.batched_tok_per_s(),
+                    "tok/s",
+                )
+                .predicted(format!("{:.0} (roofline)", predict(b))),
+            );
+            rows.push(Row::new(
+                format!("p07 single-sequence decode pos {pos} (beside batch {b})"),
+                p.single_tok_per_s(),
+                "tok/s",
+            ));
+            if b > 1 {
+                let target = match b {
+                    8 => " (target >= 4x)",
+                    16 => " (target >= 6x)",
+                    _ => "",
+                };
+                rows.push(
+                    Row::new(
+                        format!("p07 batch {b} / batch 1 decode tok/s, pos {pos}"),
+                        p.batched_tok_per_s() / b1,
+                        "x",
+                    )
+                    .predicted(format!("{:.1}x{target}", predict(b) / predict(1))),
+                );
+            }
+            points.push(p);
+        }
+    }
+    rows.push(Row::new(
+        "p07 roofline knee (2 peak / bandwidth)",
+        knee,
+        "batch",
+    ));
+    let mut series = Vec::new();
+    for &pos in &a.positions {
+        let pts = |f: fn(&StepPoint) -> f64| -> Vec<(f64, f64)> {
+            points
+                .iter()
+                .filter(|p| p.pos == pos)
+                .map(|p| (p.batch as f64, f(p)))
+                .collect()
+        };
+        series.push(Series::new(
+            format!("batched step, pos {pos}"),
+            pts(StepPoint::batched_tok_per_s),
+        ));
+        series.push(Series::new(
+            format!("single-sequence steps, pos {pos}"),
+            pts(StepPoint::single_tok_per_s),
+        ));
+    }
+    series.push(Series::new(
+        "roofline prediction",
+        a.batches.iter().map(|&b| (b as f64, predict(b))).collect(),
+    ));
+    line_chart(
+        &plots_dir().join("step_tok_per_s.png"),
+        Labels {
+            title: "SmolLM2 decode: aggregate tok/s vs batch size",
+            x: "batch size",
+            y: "tokens / s",
+        },
+        &series,
+        Scale::LogLog,
+    )
+    .map_err(anyhow::Error::msg)?;
+    if !a.no_record {
+        Recorder::for_workspace(command_line("p07_batching")).append(&rows)?;
+    }
+    Ok(())
+}
+
+#[derive(Clone, Debug, Args)]
+pub struct ServeBenchArgs {
+    #[arg(long, default_value = "smollm2")]
+    pub model: String,
+    /// Closed-loop comparison: prompt and output tokens, concurrency, requests.
+    #[arg(long, default_value_t = 256)]
+    pub input_len: usize,
+    #[arg(long, default_value_t = 64)]
+    pub output_len: usize,
+    #[arg(long, default_value_t = 8)]
+    pub concurrency: usize,
+    #[arg(long, default_value_t = 16)]
+    pub num_requests: usize,
+    /// Requests at 0.1 req/s (the idle-batcher TTFT check).
+    #[arg(long, default_value_t = 6)]
+    pub idle_requests: usize,
+    /// Poisson rate and requests per point of the wait x batch sweep (0 skips it).
+    #[arg(long, default_value_t = 1.5)]
+    pub sweep_rate: f64,
+    #[arg(long, default_value_t = 24)]
+    pub sweep_requests: usize,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    #[arg(long)]
+    pub no_record: bool,
+}
+
+fn batching(max_batch: usize, max_wait_ms: u64) -> BatchConfig {
+    BatchConfig {
+        max_batch,
+        max_wait: Duration::from_millis(max_wait_ms),
+        max_waiting: 1024,
+    }
+}
+
+pub async fn serve(a: &ServeBenchArgs) -> Result<()> {
+    let (engine, tok) = load(&a.model)?;
+    let e = Engines {
+        model: Arc::new(engine),
+        tok: Arc::new(tok),
+        name: p06_server::server::served_name(&a.model),
+    };
+    let name = e.name.clone();
+    let mut rows = Vec::new();
+    let warm = requests(&e.tok, 16, &[4], a.seed + 100);
+
+    // 1. Closed loop at concurrency 8: serial, then batcher, same requests.
+    let reqs = requests(
+        &e.tok,
+        a.input_len,
+        &vec![a.output_len; a.num_requests],
+        a.seed,
+    );
+    let closed = Arrival::Closed {
+        concurrency: a.concurrency,
+    };
+    let (serial, _) = drive(e.serial()?, &name, closed, &warm, &reqs).await?;
+    let (batched, _) = drive(
+        e.batching(batching(a.concurrency.max(16), 5))?,
+        &name,
+        closed,
+        &warm,
+        &reqs,
+    )
+    .await?;
+    let ratio = batched.output_throughput / serial.output_throughput;
+    println!(
+        "closed loop c={} (in {} out {}): output tok/s serial {:.1}, batcher {:.1} = {ratio:.2}x; TTFT median {:.0} vs {:.0} ms",
+        a.concurrency, a.input_len, a.output_len, serial.output_throughput, batched.output_throughput,
+        serial.ttft.median, batched.ttft.median
+    );
+    let label = format!(
+        "c={} in {} out {}",
+        a.concurrency, a.input_len, a.output_len
+    );
+    rows.push(Row::new(
+        format!("p07 serial (p06) output tok/s, {label}"),
+        serial.output_throughput,
+        "tok/s",
+    ));
+    rows.push(Row::new(
+        format!("p07 batcher output tok/s, {label}"),
+        batched.output_throughput,
+        "tok/s",
+    ));
+    rows.push(
+        Row::new(
+            format!("p07 batcher / serial output tok/s, {label}"),
+            ratio,
+            "x",
+        )
+        .predicted(">= 3x (target)"),
+    );
+
+    // 2. 0.1 req/s: an idle batcher must not wait.
+    if a.idle_requests > 0 {
+        let reqs = requests(&e.tok, 64, &vec![8; a.idle_requests], a.seed + 1);
+        let slow = Arrival::Poisson {
+            rate: 0.1,
+            seed: a.seed,
+        };
+        let (serial, _) = drive(e.serial()?, &name, slow, &warm, &reqs).await?;
+        let (batched, _) = drive(e.batching(batching(16, 5))?, &name, slow, &warm, &reqs).await?;
+        let added = batched.ttft.median - serial.ttft.median;
+        println!(
+            "0.1 req/s: TTFT median serial {:.1} ms, batcher {:.1} ms (added {added:+.2} ms)",
+            serial.ttft.median, batched.ttft.median
+        );
+        rows.push(Row::new(
+            "p07 serial (p06) TTFT median at 0.1 req/s",
+            serial.ttft.median,
+            "ms",
+        ));
+        rows.push(Row::new(
+            "p07 batcher TTFT median at 0.1 req/s",
+            batched.ttft.median,
+            "ms",
+        ));
+        rows.push(
+            Row::new("p07 batcher added TTFT at 0.1 req/s", added, "ms")
+                .predicted("<= 1 ms (target)"),
+        );
+    }
+
+    // 3. max_wait_ms x max_batch under Poisson load.
+    if a.sweep_rate > 0.0 && a.sweep_requests > 0 {
+        let reqs = requests(&e.tok, 128, &vec![32; a.sweep_requests], a.seed + 2);
+        let arrival = Arrival::Poisson {
+            rate: a.sweep_rate,
+            seed: a.seed,
+        };
+        println!("sweep at {} req/s, in 128 out 32:", a.sweep_rate);
+        println!(
+            "{:>9} {:>7} {:>8} {:>9} {:>9} {:>9} {:>9}",
+            "max_batch", "wait ms", "req/s", "TTFT p50", "p95", "p99", "TPOT p50"
+        );
+        let mut series = Vec::new();
+        for max_batch in [4usize, 8, 16] {
+            let mut pts = Vec::new();
+            for wait in [0u64, 5, 20] {
+                let (r, _) = drive(
+                    e.batching(batching(max_batch, wait))?,
+                    &name,
+                    arrival,
+                    &warm,
+                    &reqs,
+                )
+                .await?;
+                println!(
+                    "{max_batch:>9} {wait:>7} {:>8.2} {:>9.0} {:>9.0} {:>9.0} {:>9.1}",
+                    r.request_throughput, r.ttft.median, r.ttft.p95, r.ttft.p99, r.tpot.median
+                );
+                let cfg = format!(
+                    "max_batch {max_batch} max_wait_ms {wait} at {} req/s",
+                    a.sweep_rate
+                );
+                rows.push(Row::new(
+                    format!("p07 sweep req/s, {cfg}"),
+                    r.request_throughput,
+                    "req/s",
+                ));
+                rows.push(
+                    Row::new(
+                        format!("p07 sweep TTFT p50/p95/p99, {cfg}"),
+                        r.ttft.median,
+                        "ms",
+                    )
+                    .predicted(format!(
+                        "p95 {:.0} ms, p99 {:.0} ms (measured)",
+                        r.ttft.p95, r.ttft.p99
+                    )),
+                );
+                rows.push(Row::new(
+                    format!("p07 sweep TPOT p50, {cfg}"),
+                    r.tpot.median,
+                    "ms",
+                ));
+                pts.push((wait as f64, r.ttft.p95));
+            }
+            series.push(Series::new(format!("max_batch {max_batch}: TTFT p95"), pts));
+        }
+        line_chart(
+            &plots_dir().join("wait_batch_sweep.png"),
+            Labels {
+                title: "TTFT p95 vs max_wait_ms under Poisson load",
+                x: "max_wait_ms",
+                y: "TTFT p95 (ms)",
+            },
+            &series,
+            Scale::Linear,
+        )
+        .map_err(anyhow::Error::msg)?;
+    }
+
+    // 4. Lock-step: 4 short (16) and 4 long (256) outputs in one batch,
+    //    beside 8 short ones alone; all arrive at once.
+    let all_at_once = Arrival::Poisson {
+        rate: f64::INFINITY,
+        seed: a.seed,
+    };
+    let short_only = requests(&e.tok, 64, &[16; 8], a.seed + 3);
+    let mixed = requests(
+        &e.tok,
+        64,
+        &[16, 256, 16, 256, 16, 256, 16, 256],
+        a.seed + 3,
+    );
+    let eng = e.batching(batching(8, 20))?;
+    let (_, recs) = drive(eng.clone(), &name, all_at_once, &warm, &short_only).await?;
+    let short_alone = median(recs.iter().map(|r| r.latency * 1e3).collect());
+    let eng2 = e.batching(batching(8, 20))?;
+    let (_, recs) = drive(eng2.clone(), &name, all_at_once, &warm, &mixed).await?;
+    let short_mixed = median(
+        recs.iter()
+            .filter(|r| r.output_len == 16)
+            .map(|r| r.latency * 1e3)
+            .collect(),
+    );
+    let long_mixed = median(
+        recs.iter()
+            .filter(|r| r.output_len == 256)
+            .map(|r| r.latency * 1e3)
+            .collect(),
+    );
+    let st = eng2.stats();
+    println!(
+        "lock-step: 16-token requests' E2E median {short_alone:.0} ms in an all-short batch, {short_mixed:.0} ms beside 256-token ones (which take {long_mixed:.0} ms); {:.0}% of decode slots empty ({} batches)",
+        100.0 * st.empty_fraction(), st.batches
+    );
+    rows.push(Row::new(
+        "p07 lock-step: short (16 tok) E2E median, all-short batch of 8",
+        short_alone,
+        "ms",
+    ));
+    rows.push(Row::new(
+        "p07 lock-step: short (16 tok) E2E median, beside 256-tok members",
+        short_mixed,
+        "ms",
+    ));
+    rows.push(
+        Row::new(
+            "p07 lock-step: empty decode slots, 4x16 + 4x256 tokens",
+            100.0 * st.empty_fraction(),
+            "%",
+        )
+        .predicted("~47% (4 of 8 slots idle for 240 of 256 steps)"),
+    );
+    if !a.no_record {
+        Recorder::for_workspace(command_line("p07_batching")).append(&rows)?;
+    }
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    common::stats::percentile_sorted(&v, 50.0)
+}

@@ -1,0 +1,101 @@
+//! `p07_batching bench-serve`: the batcher behind the p06 HTTP layer, driven
+//! by the p06 load generator, beside the p06 serial server on the same
+//! loaded model in the same run (one server at a time, so they never share
+//! the cores).
+//!
+//! 1. closed loop at concurrency 8 (256-token prompts, 64 output tokens):
+//!    output tok/s, batcher vs serial;
+//! 2. Poisson at 0.1 req/s: TTFT, batcher vs serial (an idle batcher must
+//!    not wait);
+//! 3. a `max_wait_ms` × `max_batch` sweep under Poisson load;
+//! 4. short (16) and long (256 output tokens) requests in one batch: the
+//!    lock-step penalty on the short ones, and the empty slots.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use common::engine::Engine;
+use common::loadgen::{self, Api, Arrival, LoadConfig, LoadRequest, Report, RequestRecord, Slo};
+use common::rng::Rng;
+use p04_transformer::Tokenizer;
+use p05_kv_cache::llama_engine::LlamaEngine;
+use p06_server::bench::{random_prompt, spawn_server};
+use p06_server::SerialEngine;
+
+use crate::{BatchConfig, BatchingEngine};
+
+/// Requests of `input_len` prompt tokens and the given output lengths.
+pub fn requests(
+    tok: &Tokenizer,
+    input_len: usize,
+    outputs: &[usize],
+    seed: u64,
+) -> Vec<LoadRequest> {
+    let mut rng = Rng::new(seed);
+    outputs
+        .iter()
+        .map(|&output_len| {
+            let (prompt, ids) = random_prompt(tok, input_len, &mut rng);
+            LoadRequest {
+                prompt,
+                prompt_len: ids.len(),
+                output_len,
+            }
+        })
+        .collect()
+}
+
+/// Serve `engine` on a free port, run the load, and report (with every request's record).
+pub async fn drive(
+    engine: Arc<dyn Engine>,
+    name: &str,
+    arrival: Arrival,
+    warmup: &[LoadRequest],
+    reqs: &[LoadRequest],
+) -> Result<(Report, Vec<RequestRecord>)> {
+    let url = spawn_server(engine).await?;
+    let cfg = LoadConfig {
+        base_url: url,
+        model: Some(name.to_string()),
+        api: Api::Completions,
+        arrival,
+        max_concurrency: None,
+        ignore_eos: true,
+        temperature: 0.0,
+        timeout: Duration::from_secs(1800),
+        slo: Slo::default(),
+    };
+    let (records, duration) = loadgen::run(&cfg, warmup, reqs)
+        .await
+        .context("load generator")?;
+    let report = Report::new(&records, duration, &cfg.slo);
+    if report.failed > 0 {
+        anyhow::bail!("{} requests failed: {:?}", report.failed, report.errors);
+    }
+    Ok((report, records))
+}
+
+/// The two engines under test, on one loaded model.
+#[derive(Debug)]
+pub struct Engines {
+    pub model: Arc<LlamaEngine>,
+    pub tok: Arc<Tokenizer>,
+    pub name: String,
+}
+
+impl Engines {
+    pub fn serial(&self) -> Result<Arc<dyn Engine>> {
+        Ok(Arc::new(
+            SerialEngine::start(self.model.clone(), self.tok.clone(), &self.name, 256)
+                .map_err(anyhow::Error::msg)?,
+        ))
+    }
+
+    pub fn batching(&self, config: BatchConfig) -> Result<Arc<BatchingEngine>> {
+        Ok(Arc::new(
+            BatchingEngine::start(self.model.clone(), self.tok.clone(), &self.name, config)
+                .map_err(anyhow::Error::msg)?,
+        ))
+    }
+}
