@@ -305,7 +305,16 @@ fn prepacked_b_matches_reference() {
     use p02_matmul_bench::{sgemm_prepacked, PackedB};
     let kernels = MicroKernel::available();
     let mut shapes = SHAPES.to_vec();
+    // Plus small batches whose last rows are an edge of 1-3 rows under
+    // full-width slivers (6x16 and 8x32 tiles): 8, 9, 10, 11, 16 rows.
     shapes.extend([(200, 150, 300), (3, 1000, 1500), (40, 5000, 600)]);
+    shapes.extend([
+        (8, 64, 300),
+        (9, 48, 257),
+        (10, 96, 260),
+        (11, 64, 33),
+        (16, 96, 600),
+    ]);
     for &(m, n, k) in &shapes {
         let av = common::testdata::uniform(m * k, (m + 3 * k) as u64);
         let w = common::testdata::uniform(n * k, (n + k) as u64); // W (n, k): B = W^T

@@ -15,6 +15,10 @@ use common::batch::{Batch, KvStore};
 use p02_matmul_bench::{sgemm, GemmError, GemmOpts, MatMut, MatRef};
 use rayon::prelude::*;
 
+/// Below this many multiply-adds (over all decode rows) the decode rows'
+/// attention stays on the calling thread (p02's threshold for one row).
+const PAR_MIN_MACS: usize = p02_matmul_bench::gemm::PAR_MIN_MACS_M1;
+
 /// Model geometry the attention needs.
 #[derive(Clone, Copy, Debug)]
 pub struct Heads {
@@ -229,29 +233,47 @@ pub fn attention_step<S: KvStore>(
         scratch.scores.resize(need, 0.0);
     }
     let row_seq = &scratch.row_seq;
-    att.par_chunks_mut(width)
-        .zip(scratch.scores.par_chunks_mut(max_keys))
-        .enumerate()
-        .for_each(|(row, (out, scores))| {
-            let si = row_seq[row];
-            let s = seqs[si];
-            if s.len != 1 {
-                return;
-            }
-            let store: &S = stores[si];
-            for head in 0..nh {
-                attend_row(
-                    &q[row * width + head * hd..][..hd],
-                    store,
-                    layer,
-                    heads.kv_head(head),
-                    s.start_pos + 1,
-                    scale,
-                    scores,
-                    &mut out[head * hd..(head + 1) * hd],
-                );
-            }
-        });
+    let decode_row = |row: usize, out: &mut [f32], scores: &mut [f32]| {
+        let si = row_seq[row];
+        let s = seqs[si];
+        if s.len != 1 {
+            return;
+        }
+        let store: &S = stores[si];
+        for head in 0..nh {
+            attend_row(
+                &q[row * width + head * hd..][..hd],
+                store,
+                layer,
+                heads.kv_head(head),
+                s.start_pos + 1,
+                scale,
+                scores,
+                &mut out[head * hd..(head + 1) * hd],
+            );
+        }
+    };
+    // Waking the pool costs tens of microseconds: small work stays on this
+    // thread (one decode row at a short position, as p05's decode did).
+    let work: usize = seqs
+        .iter()
+        .filter(|s| s.len == 1)
+        .map(|s| (s.start_pos + 1) * width)
+        .sum();
+    if work < PAR_MIN_MACS {
+        for (row, (out, scores)) in att
+            .chunks_exact_mut(width)
+            .zip(scratch.scores.chunks_exact_mut(max_keys))
+            .enumerate()
+        {
+            decode_row(row, out, scores);
+        }
+    } else {
+        att.par_chunks_mut(width)
+            .zip(scratch.scores.par_chunks_mut(max_keys))
+            .enumerate()
+            .for_each(|(row, (out, scores))| decode_row(row, out, scores));
+    }
     // Sequences with several new tokens: per head, two matrix products.
     for (si, s) in seqs.iter().enumerate().filter(|(_, s)| s.len > 1) {
         let store: &S = stores[si];

@@ -55,8 +55,19 @@ pub async fn drive(
     reqs: &[LoadRequest],
 ) -> Result<(Report, Vec<RequestRecord>)> {
     let url = spawn_server(engine).await?;
+    load(&url, name, arrival, warmup, reqs).await
+}
+
+/// Run the load against a server already listening at `url`.
+pub async fn load(
+    url: &str,
+    name: &str,
+    arrival: Arrival,
+    warmup: &[LoadRequest],
+    reqs: &[LoadRequest],
+) -> Result<(Report, Vec<RequestRecord>)> {
     let cfg = LoadConfig {
-        base_url: url,
+        base_url: url.to_string(),
         model: Some(name.to_string()),
         api: Api::Completions,
         arrival,
@@ -74,6 +85,53 @@ pub async fn drive(
         anyhow::bail!("{} requests failed: {:?}", report.failed, report.errors);
     }
     Ok((report, records))
+}
+
+/// The lock-step penalty: a batch of 8 (`outputs` tokens each) starts, and
+/// `late` short requests (16 tokens) arrive `delay` later. They wait for the
+/// whole batch: its longest member sets their TTFT. Returns the late
+/// requests' TTFT median (ms) and the batch's share of empty decode slots.
+pub async fn late_arrivals(
+    e: &Engines,
+    outputs: &[usize],
+    late: usize,
+    delay: Duration,
+    seed: u64,
+) -> Result<(f64, f64)> {
+    let engine = e.batching(BatchConfig {
+        max_batch: outputs.len(),
+        max_wait: Duration::from_millis(20),
+        max_waiting: 64,
+    })?;
+    let url = spawn_server(engine.clone()).await?;
+    let batch = requests(&e.tok, 64, outputs, seed);
+    let newcomers = requests(&e.tok, 64, &vec![16; late], seed + 1);
+    let warm = requests(&e.tok, 16, &[4], seed + 2);
+    load(
+        &url,
+        &e.name,
+        Arrival::Closed { concurrency: 1 },
+        &[],
+        &warm,
+    )
+    .await?;
+    let before = engine.stats();
+    let all_at_once = Arrival::Poisson {
+        rate: f64::INFINITY,
+        seed,
+    };
+    let first = load(&url, &e.name, all_at_once, &[], &batch);
+    let second = async {
+        tokio::time::sleep(delay).await;
+        load(&url, &e.name, all_at_once, &[], &newcomers).await
+    };
+    let (first, second) = tokio::join!(first, second);
+    first?;
+    let (report, _) = second?;
+    let after = engine.stats();
+    let empty = (after.empty_slot_steps - before.empty_slot_steps) as f64
+        / (after.slot_steps - before.slot_steps).max(1) as f64;
+    Ok((report.ttft.median, empty))
 }
 
 /// The two engines under test, on one loaded model.
