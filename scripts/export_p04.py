@@ -50,9 +50,17 @@ def tiny(name, model):
     print(f"{name}: logits std {logits.std().item():.3f}")
 
 
+CONVERSATIONS = [
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+     {"role": "user", "content": "2+2?"}],
+]
+
+
 def smollm2():
     tok = AutoTokenizer.from_pretrained(SMOL_DIR, gguf_file=SMOL_FILE)
-    model = AutoModelForCausalLM.from_pretrained(SMOL_DIR, gguf_file=SMOL_FILE, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(SMOL_DIR, gguf_file=SMOL_FILE, dtype=torch.float32)
     model.eval()
     chat = tok.apply_chat_template([{"role": "user", "content": CHAT}], tokenize=False, add_generation_prompt=True)
     texts = PROMPTS + [chat]
@@ -72,6 +80,14 @@ def smollm2():
             tensors[f"p{i}/greedy"] = torch.tensor(gen, dtype=torch.int64)
             meta["prompts"].append({"text": text, "n_ids": int(ids.shape[1]), "greedy_text": tok.decode(gen)})
             print(repr(text), "->", repr(tok.decode(gen)))
+    # The GGUF's chat template on multi-turn conversations, with and without a
+    # system turn, and the file's BOS policy on a plain prompt (transformers 5
+    # honours add_bos_token = false; 4.57 prepended <|im_start|>).
+    meta["chat_templates"] = []
+    for conv in CONVERSATIONS:
+        text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        meta["chat_templates"].append({"messages": conv, "text": text})
+    meta["bos_policy"] = {"text": "Hello", "ids": tok("Hello").input_ids}
     save_file(tensors, os.path.join(OUT, "smollm2_parity.safetensors"))
     with open(os.path.join(OUT, "smollm2_parity.json"), "w") as f:
         json.dump(meta, f, indent=1, ensure_ascii=False)

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Tokenizer corpus for Project 04: >= 200 varied strings and the ids the
 transformers tokenizer gives them (SmolLM2-135M-Instruct, loaded from the same
-GGUF), with add_special_tokens=False (pure tokenization: transformers' GGUF
-conversion would also prepend <|im_start|> as BOS although the GGUF says
-add_bos_token = false; that is recorded separately as `bos_quirk`).
+GGUF), with add_special_tokens=False (pure tokenization). The ids of "Hello"
+with special tokens are recorded as `bos_policy`: transformers 5 follows the
+GGUF's add_bos_token = false and prepends nothing (4.57 prepended <|im_start|>).
 
 Writes p04_transformer/fixtures/tokenizer_corpus.json.
 Run:  bash scripts/fetch_assets.sh smollm2 && .venv-ref/bin/python scripts/export_p04_tokenizer.py
@@ -61,7 +61,7 @@ def main():
         cases.append({"text": s, "ids": ids, "decoded": tok.decode(ids)})
     bos = tok("Hello").input_ids
     with open(OUT, "w") as f:
-        json.dump({"transformers": transformers.__version__, "seed": SEED, "bos_quirk": {"text": "Hello", "ids_with_special_tokens": bos}, "cases": cases}, f, ensure_ascii=False, indent=0)
+        json.dump({"transformers": transformers.__version__, "seed": SEED, "bos_policy": {"text": "Hello", "ids_with_special_tokens": bos}, "cases": cases}, f, ensure_ascii=False, indent=0)
         f.write("\n")
     print(f"{len(cases)} cases -> {OUT}")
 

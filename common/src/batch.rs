@@ -207,6 +207,10 @@ impl KvShape {
     }
 }
 
+/// What [`KvStore::for_each_run`] calls per run: (first position, keys
+/// (run, head_dim), values (run, head_dim)).
+pub type KvRunFn<'f> = dyn FnMut(usize, &[f32], &[f32]) + 'f;
+
 /// Where one sequence's keys and values live. Today's contiguous cache
 /// (p05's `KvCache`) is one implementation; paged blocks (Project 09)
 /// another. The step writes the new positions of every layer, reads them
@@ -236,13 +240,7 @@ pub trait KvStore: Send + Sync {
     /// runs of consecutive positions in order: `f(first_position, keys,
     /// values)`, keys and values each (run, head_dim). `upto` may include
     /// positions written in this step but not yet advanced.
-    fn for_each_run(
-        &self,
-        layer: usize,
-        kv_head: usize,
-        upto: usize,
-        f: &mut dyn FnMut(usize, &[f32], &[f32]),
-    );
+    fn for_each_run(&self, layer: usize, kv_head: usize, upto: usize, f: &mut KvRunFn<'_>);
 
     /// Bytes of K/V memory this store holds.
     fn bytes(&self) -> usize;

@@ -235,16 +235,14 @@ fn gemm_dispatch(
     let (mr, nr) = (kernel.mr, kernel.nr);
     // A single row is one pass over the weights: worth splitting from ~1 MB
     // of weights on (the wake-up then costs less than the streaming it halves).
-    let min_macs = if m == 1 {
-        PAR_MIN_MACS_M1
+    // So are up to mr rows (a small batch's decode step: one tile row streams
+    // the weights once), judged by the weights' size alone.
+    let (work, min_macs) = if m <= mr {
+        (n * k, PAR_MIN_MACS_M1)
     } else {
-        PAR_MIN_MACS
+        (m * n * k, PAR_MIN_MACS)
     };
-    let threads = if m * n * k < min_macs {
-        1
-    } else {
-        threads.max(1)
-    };
+    let threads = if work < min_macs { 1 } else { threads.max(1) };
     let c_ptr = SendPtr(c.data.as_mut_ptr());
     let ldc = c.ld;
     if threads == 1 {

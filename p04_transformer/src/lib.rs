@@ -4,7 +4,8 @@
 //! dequantisers of its tensor types ([`dequant`]), wrapped by [`model_file`]
 //! (memory-mapped file, f32 tensors); the Llama forward pass ([`llama`]) from
 //! GGUF or a Hugging Face directory ([`weights`]). Still to come (issue 4):
-//! GPT-2, the BPE tokenizer, generate/trace.
+//! GPT-2, the BPE tokenizer, generate/trace. [`prompt`]: the one input path
+//! (the model's chat template, its BOS policy, tokenisation) every front uses.
 
 pub mod bench;
 pub mod dequant;
@@ -16,6 +17,7 @@ pub mod inspect;
 pub mod llama;
 pub mod model;
 pub mod model_file;
+pub mod prompt;
 pub mod tokenizer;
 pub mod trace;
 pub mod weights;
@@ -26,6 +28,7 @@ pub use gguf::{GgufError, GgufHeader, TensorInfo, Value};
 pub use gpt2::{Gpt2, Gpt2Config};
 pub use llama::{Llama, LlamaConfig};
 pub use model_file::GgufFile;
+pub use prompt::{PromptBuilder, PromptError};
 pub use tokenizer::Tokenizer;
 
 /// The committed fixtures directory of this crate.

@@ -245,7 +245,11 @@ impl Llama {
                 .usize("head_dim")
                 .unwrap_or(hidden.checked_div(n_head).unwrap_or(0)),
             intermediate_size: hf.usize("intermediate_size")?,
-            rope_theta: c["rope_theta"].as_f64().unwrap_or(10_000.0) as f32,
+            // transformers 4 writes `rope_theta`; 5 nests it in `rope_parameters`.
+            rope_theta: c["rope_theta"]
+                .as_f64()
+                .or_else(|| c["rope_parameters"]["rope_theta"].as_f64())
+                .unwrap_or(10_000.0) as f32,
             rms_norm_eps: c["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32,
             max_seq: hf.usize("max_position_embeddings")?,
         };

@@ -76,14 +76,14 @@ fn main() -> Result<()> {
                     path.display()
                 )
             };
-            let text = if chat {
-                tok.chat_prompt(&[("user", prompt.as_str())])
+            // The one input path: the model's chat template and BOS policy.
+            let tok = std::sync::Arc::new(tok);
+            let prompts = p04_transformer::PromptBuilder::new(tok.clone())?;
+            let ids = if chat {
+                prompts.encode_chat(&[("user", prompt.as_str())])?
             } else {
-                prompt.clone()
+                prompts.encode_text(&prompt)
             };
-            // As transformers does with this GGUF: <|im_start|> (id 1) as BOS.
-            let mut ids: Vec<u32> = tok.bos_id.into_iter().collect();
-            ids.extend(tok.encode(&text));
             let stop = if chat {
                 tok.id("<|im_end|>")
             } else {

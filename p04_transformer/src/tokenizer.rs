@@ -372,20 +372,6 @@ impl Tokenizer {
         }
         bytes
     }
-
-    /// SmolLM2's chat template (ChatML), with its default system prompt when
-    /// the conversation has none, ending with the assistant turn opened.
-    pub fn chat_prompt(&self, messages: &[(&str, &str)]) -> String {
-        let mut s = String::new();
-        if messages.first().is_none_or(|m| m.0 != "system") {
-            s.push_str("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n");
-        }
-        for (role, content) in messages {
-            s.push_str(&format!("<|im_start|>{role}\n{content}<|im_end|>\n"));
-        }
-        s.push_str("<|im_start|>assistant\n");
-        s
-    }
 }
 
 /// GPT-2 pre-tokenization. A whitespace run followed by more text gives up its

@@ -126,7 +126,7 @@ impl KvStore for KvCache {
         layer: usize,
         kv_head: usize,
         upto: usize,
-        f: &mut dyn FnMut(usize, &[f32], &[f32]),
+        f: &mut common::batch::KvRunFn<'_>,
     ) {
         let (keys, values) = self.head(layer, kv_head);
         let n = upto * self.head_dim;

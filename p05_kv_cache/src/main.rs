@@ -61,7 +61,7 @@ fn main() -> Result<()> {
             common::assets::ensure(common::assets::Asset::SmolLm2).map_err(anyhow::Error::msg)?
         }
     };
-    let loaded = p05_kv_cache::load::load(&path)?;
+    let mut loaded = p05_kv_cache::load::load(&path)?;
     match cli.cmd {
         Cmd::Generate {
             prompt,
@@ -75,16 +75,16 @@ fn main() -> Result<()> {
             seed,
             stop,
         } => {
-            let Some(tok) = &loaded.tokenizer else {
+            let Some(tok) = loaded.tokenizer.take() else {
                 bail!("{} has no tokenizer", path.display())
             };
-            let text = if chat {
-                tok.chat_prompt(&[("user", prompt.as_str())])
+            // The one input path: the model's chat template and BOS policy.
+            let prompts = p04_transformer::PromptBuilder::new(std::sync::Arc::new(tok))?;
+            let ids = if chat {
+                prompts.encode_chat(&[("user", prompt.as_str())])?
             } else {
-                prompt.clone()
+                prompts.encode_text(&prompt)
             };
-            let mut ids: Vec<u32> = tok.bos_id.into_iter().collect();
-            ids.extend(tok.encode(&text));
             let params = GenerateParams {
                 max_tokens,
                 sampling: SamplingParams {
@@ -104,10 +104,16 @@ fn main() -> Result<()> {
             if !chat {
                 print!("{prompt}");
             }
-            let g = generate(&loaded.engine, tok, &ids, &params, |piece| {
-                print!("{piece}");
-                let _ = std::io::stdout().flush();
-            })?;
+            let g = generate(
+                &loaded.engine,
+                prompts.tokenizer(),
+                &ids,
+                &params,
+                |piece| {
+                    print!("{piece}");
+                    let _ = std::io::stdout().flush();
+                },
+            )?;
             let why = match g.finish {
                 FinishReason::Stop => "stop",
                 FinishReason::Length => "length",

@@ -231,7 +231,7 @@ impl KvStore for Paged {
         layer: usize,
         kv_head: usize,
         upto: usize,
-        f: &mut dyn FnMut(usize, &[f32], &[f32]),
+        f: &mut common::batch::KvRunFn<'_>,
     ) {
         let hd = self.shape.head_dim;
         for b in 0..upto.div_ceil(BLOCK) {

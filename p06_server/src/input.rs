@@ -1,18 +1,20 @@
 //! Request → model input, shared by every local engine (the serial engine
-//! here, p07's batcher): the chat template, the BOS policy, tokenisation,
-//! the context check and the request's sampling settings as the generation
-//! loop's parameters. No HTTP in here.
+//! here, p07's batcher): the engine request's prompt through p04's
+//! [`PromptBuilder`] (the model's chat template, its BOS policy,
+//! tokenisation; the same path the CLIs use), the context check, and the
+//! request's sampling settings as the generation loop's parameters.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use common::engine::{EngineError, EngineRequest, PromptInput};
 use common::ModelInfo;
-use p04_transformer::Tokenizer;
+use p04_transformer::prompt::check_context;
+use p04_transformer::{PromptBuilder, Tokenizer};
 use p05_kv_cache::generate::GenerateParams;
 use p05_kv_cache::sampling::SamplingParams;
 
-use crate::template::ChatTemplate;
+use crate::template::{prompt_error, turns};
 
 /// A request made ready for a model: its token ids and generation settings.
 #[derive(Clone, Debug)]
@@ -23,8 +25,7 @@ pub struct Prepared {
 
 #[derive(Debug)]
 pub struct InputProcessor {
-    pub tokenizer: Arc<Tokenizer>,
-    template: ChatTemplate,
+    prompts: PromptBuilder,
     context: usize,
     vocab: usize,
     /// Seeds for requests that bring none.
@@ -33,32 +34,30 @@ pub struct InputProcessor {
 
 impl InputProcessor {
     pub fn new(tokenizer: Arc<Tokenizer>, info: &ModelInfo) -> Result<InputProcessor, String> {
-        let token = |id: Option<u32>| id.map(|i| tokenizer.decode(&[i])).unwrap_or_default();
-        let template = ChatTemplate::new(
-            tokenizer.chat_template.as_deref(),
-            &token(tokenizer.bos_id),
-            &token(tokenizer.eos_id),
-        )?;
         Ok(InputProcessor {
-            template,
+            prompts: PromptBuilder::new(tokenizer).map_err(|e| e.to_string())?,
             context: info.context_length,
             vocab: info.vocab_size,
             seed_counter: AtomicU64::new(common::openai::unix_now()),
-            tokenizer,
         })
+    }
+
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        self.prompts.tokenizer()
     }
 
     pub fn context(&self) -> usize {
         self.context
     }
 
-    /// Token ids for a prompt (BOS first when the tokenizer says so).
+    /// Token ids for a prompt: text and chat through the model's template and
+    /// BOS policy; token prompts as given (checked against the vocabulary).
     pub fn encode(&self, prompt: &PromptInput) -> Result<Vec<u32>, EngineError> {
         let invalid = |param: &str, message: String| EngineError::InvalidRequest {
             message,
             param: Some(param.to_string()),
         };
-        let text = match prompt {
+        match prompt {
             PromptInput::Tokens(ids) => {
                 if let Some(bad) = ids.iter().find(|&&i| i as usize >= self.vocab) {
                     return Err(invalid(
@@ -69,24 +68,22 @@ impl InputProcessor {
                         ),
                     ));
                 }
-                return Ok(ids.clone());
+                Ok(ids.clone())
             }
-            PromptInput::Text(t) => t.clone(),
+            PromptInput::Text(t) => Ok(self.prompts.encode_text(t)),
             PromptInput::Chat(messages) => {
-                self.template
-                    .render(messages)
-                    .map_err(|e| EngineError::InvalidRequest {
-                        message: e.message,
-                        param: e.param,
-                    })?
+                let to_engine = |e: crate::error::ApiError| EngineError::InvalidRequest {
+                    message: e.message,
+                    param: e.param,
+                };
+                let turns = turns(messages).map_err(to_engine)?;
+                let turns: Vec<(&str, &str)> =
+                    turns.iter().map(|(r, c)| (*r, c.as_str())).collect();
+                self.prompts
+                    .encode_chat(&turns)
+                    .map_err(|e| to_engine(prompt_error(e)))
             }
-        };
-        let mut ids: Vec<u32> = Vec::new();
-        if self.tokenizer.add_bos {
-            ids.extend(self.tokenizer.bos_id);
         }
-        ids.extend(self.tokenizer.encode(&text));
-        Ok(ids)
     }
 
     /// Tokenise, check against the context and convert the settings.
@@ -98,15 +95,13 @@ impl InputProcessor {
                 param: Some("prompt".into()),
             });
         }
-        let room = self.context.saturating_sub(prompt.len());
-        let max_tokens = request.max_tokens.unwrap_or(room);
-        if max_tokens == 0 || prompt.len() + max_tokens > self.context {
-            return Err(EngineError::ContextLength {
+        let max_tokens = check_context(prompt.len(), request.max_tokens, self.context).map_err(
+            |max_tokens| EngineError::ContextLength {
                 prompt: prompt.len(),
                 max_tokens,
                 context: self.context,
-            });
-        }
+            },
+        )?;
         let s = &request.sampling;
         let sampling = SamplingParams {
             temperature: s.temperature,

@@ -27,7 +27,7 @@ use common::engine::{
     Engine, EngineError, EngineEvent, EngineLoad, EngineRequest, EngineStream, Finish,
 };
 use p04_transformer::Tokenizer;
-use p05_kv_cache::generate::{FinishReason, GenerateParams, Sequence};
+use p05_kv_cache::generate::{FinishReason, GenerateParams, Sequence, Step};
 use p05_kv_cache::kv_cache::KvCache;
 use p06_server::input::{InputProcessor, Prepared};
 use p06_server::serial::{engine_error, token_out};
@@ -63,6 +63,9 @@ struct Job {
     params: GenerateParams,
     events: mpsc::UnboundedSender<EngineEvent>,
     arrival: Instant,
+    /// Whether a batch was running when it arrived (then the batcher may
+    /// wait `max_wait` to fill the next one).
+    behind_batch: bool,
 }
 
 /// Counters shared by the HTTP side and the model thread.
@@ -73,6 +76,9 @@ struct Shared {
     kv_cache_bytes: AtomicUsize,
     /// Set by `abort_all`: refuse new work, end the running batch.
     closing: AtomicBool,
+    /// A batch is running (cleared before its last member's final event, so
+    /// a client that answers it at once finds the engine idle).
+    busy: AtomicBool,
     /// Seconds per batch, smoothed (f64 bits): the Retry-After hint.
     batch_s: AtomicU64,
     stats: Mutex<BatchStats>,
@@ -169,6 +175,7 @@ impl Engine for BatchingEngine {
             params,
             events,
             arrival: Instant::now(),
+            behind_batch: self.shared.busy.load(Ordering::SeqCst),
         };
         self.shared.waiting.fetch_add(1, Ordering::SeqCst);
         if let Err(e) = queue.try_send(job) {
@@ -218,8 +225,7 @@ fn model_thread<M: BatchModel>(
     config: BatchConfig,
 ) {
     let mut ws = model.new_workspace();
-    let mut last_batch_end = Instant::now();
-    while let Some(jobs) = collect(queue, config, last_batch_end) {
+    while let Some(jobs) = collect(queue, config) {
         let t0 = Instant::now();
         shared.waiting.fetch_sub(jobs.len(), Ordering::SeqCst);
         {
@@ -230,9 +236,10 @@ fn model_thread<M: BatchModel>(
                 st.queue_time.observe((t0 - j.arrival).as_secs_f64());
             }
         }
+        shared.busy.store(true, Ordering::SeqCst);
         run_batch(model, tok, &mut ws, jobs, shared);
-        last_batch_end = Instant::now();
-        let s = (last_batch_end - t0).as_secs_f64();
+        shared.busy.store(false, Ordering::SeqCst);
+        let s = t0.elapsed().as_secs_f64();
         let old = f64::from_bits(shared.batch_s.load(Ordering::Relaxed));
         let new = if old == 0.0 { s } else { 0.8 * old + 0.2 * s };
         shared.batch_s.store(new.to_bits(), Ordering::Relaxed);
@@ -240,15 +247,11 @@ fn model_thread<M: BatchModel>(
 }
 
 /// Step 1: the next batch, or None once the queue is closed. A request that
-/// arrived while the previous batch ran (`busy_until`) may wait up to
-/// `max_wait` for others to join; one that found the engine idle does not.
-fn collect(
-    queue: &std_mpsc::Receiver<Job>,
-    config: BatchConfig,
-    busy_until: Instant,
-) -> Option<Vec<Job>> {
+/// arrived while a batch ran may wait up to `max_wait` for others to join;
+/// one that found the engine idle does not.
+fn collect(queue: &std_mpsc::Receiver<Job>, config: BatchConfig) -> Option<Vec<Job>> {
     let first = queue.recv().ok()?;
-    let busy = first.arrival < busy_until;
+    let busy = first.behind_batch;
     let mut jobs = vec![first];
     while jobs.len() < config.max_batch {
         match queue.try_recv() {
@@ -371,14 +374,28 @@ fn run_batch<M: BatchModel>(
         }
         drop(stores);
         prefill = false;
-        // Post-process: sample each member's row, stream, retire the finished.
-        for (r, &i) in rows.iter().enumerate() {
+        // Post-process: sample each member's row, then stream and retire.
+        let steps: Vec<(usize, bool, Step)> = rows
+            .iter()
+            .enumerate()
+            .map(|(r, &i)| {
+                let m = &mut members[i];
+                let before = m.seq.generated_tokens();
+                let step = m
+                    .seq
+                    .on_logits(&mut logits[r * vocab..(r + 1) * vocab], tok);
+                (i, m.seq.generated_tokens() > before, step)
+            })
+            .collect();
+        if members
+            .iter()
+            .all(|m| m.kv.is_none() || m.seq.is_finished())
+        {
+            shared.busy.store(false, Ordering::SeqCst);
+        }
+        for (i, is_token, step) in steps {
             let m = &mut members[i];
-            let before = m.seq.generated_tokens();
-            let step = m
-                .seq
-                .on_logits(&mut logits[r * vocab..(r + 1) * vocab], tok);
-            if m.seq.generated_tokens() > before {
+            if is_token {
                 let _ = m.job.events.send(EngineEvent::Token(token_out(tok, &step)));
             }
             if let Some(f) = step.finish {

@@ -183,9 +183,12 @@ pub struct ServeBenchArgs {
     pub concurrency: usize,
     #[arg(long, default_value_t = 16)]
     pub num_requests: usize,
-    /// Requests at 0.1 req/s (the idle-batcher TTFT check).
-    #[arg(long, default_value_t = 6)]
+    /// Requests per side and round of the idle-engine TTFT check (closed loop, c=1).
+    #[arg(long, default_value_t = 12)]
     pub idle_requests: usize,
+    /// Requests per side at 0.1 req/s (Poisson; 10 s apart on average).
+    #[arg(long, default_value_t = 6)]
+    pub slow_requests: usize,
     /// Poisson rate and requests per point of the wait x batch sweep (0 skips it).
     #[arg(long, default_value_t = 0.6)]
     pub sweep_rate: f64,
@@ -264,9 +267,40 @@ pub async fn serve(a: &ServeBenchArgs) -> Result<()> {
         .predicted(">= 3x (target)"),
     );
 
-    // 2. 0.1 req/s: an idle batcher must not wait.
-    if a.idle_requests > 0 {
-        let reqs = requests(&e.tok, 64, &vec![8; a.idle_requests], a.seed + 1);
+    // 2. An idle batcher must not wait. Closed loop at concurrency 1 (every
+    //    request finds the engine idle), serial and batcher alternated
+    //    A B A B; then the literal 0.1 req/s Poisson run.
+    let reqs = requests(&e.tok, 64, &vec![8; a.idle_requests], a.seed + 1);
+    let one = Arrival::Closed { concurrency: 1 };
+    let (mut ttft_serial, mut ttft_batched) = (Vec::new(), Vec::new());
+    for _ in 0..2 {
+        let (_, r) = drive(e.serial()?, &name, one, &warm, &reqs).await?;
+        ttft_serial.extend(r.iter().map(|r| r.ttft * 1e3));
+        let (_, r) = drive(e.batching(batching(16, 5))?, &name, one, &warm, &reqs).await?;
+        ttft_batched.extend(r.iter().map(|r| r.ttft * 1e3));
+    }
+    let (ms, mb) = (median(ttft_serial), median(ttft_batched));
+    println!(
+        "idle engine (c=1, A B A B, {} requests a side): TTFT median serial {ms:.1} ms, batcher {mb:.1} ms (added {:+.2} ms)",
+        2 * a.idle_requests,
+        mb - ms
+    );
+    rows.push(Row::new(
+        "p07 serial (p06) TTFT median, idle engine (c=1)",
+        ms,
+        "ms",
+    ));
+    rows.push(Row::new(
+        "p07 batcher TTFT median, idle engine (c=1)",
+        mb,
+        "ms",
+    ));
+    rows.push(
+        Row::new("p07 batcher added TTFT, idle engine (c=1)", mb - ms, "ms")
+            .predicted("<= 1 ms (target)"),
+    );
+    if a.slow_requests > 0 {
+        let reqs = requests(&e.tok, 64, &vec![8; a.slow_requests], a.seed + 4);
         let slow = Arrival::Poisson {
             rate: 0.1,
             seed: a.seed,
@@ -401,4 +435,9 @@ pub async fn serve(a: &ServeBenchArgs) -> Result<()> {
         Recorder::for_workspace(command_line("p07_batching")).append(&rows)?;
     }
     Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    common::stats::percentile_sorted(&v, 50.0)
 }

@@ -8,13 +8,16 @@ use support::{post, short_completion, smollm2, sse_events, TestServer, MODEL};
 
 const QUESTION: &str = "What is the capital of France?";
 
-/// What p05 generates greedily for the chat prompt built by p04's ChatML
-/// (which matches transformers' template): (prompt ids, text, token count).
+/// What p05 generates greedily for the chat prompt the model's own template
+/// renders (p04's `PromptBuilder`, checked against transformers'
+/// `apply_chat_template` in p04's tokenizer parity test): (prompt ids, text,
+/// token count).
 fn reference(max_tokens: usize) -> (usize, String, usize) {
     let s = smollm2();
-    let ids = s
-        .tokenizer
-        .encode(&s.tokenizer.chat_prompt(&[("user", QUESTION)]));
+    let ids = p04_transformer::PromptBuilder::new(s.tokenizer.clone())
+        .unwrap()
+        .encode_chat(&[("user", QUESTION)])
+        .unwrap();
     let params = GenerateParams {
         max_tokens,
         sampling: SamplingParams::default(),
@@ -349,33 +352,4 @@ async fn min_tokens_holds_off_the_stop_token() {
     )
     .await;
     assert_eq!((s, e["param"].as_str()), (400, Some("min_tokens")));
-}
-
-#[test]
-fn the_gguf_jinja_chat_template_agrees_with_p04_chatml_on_multi_turn() {
-    use common::openai::{ChatMessage, Content};
-    use p06_server::template::ChatTemplate;
-    let tok = &smollm2().tokenizer;
-    let source = tok
-        .chat_template
-        .as_deref()
-        .expect("SmolLM2's GGUF carries a template");
-    let t = ChatTemplate::new(Some(source), "<|im_start|>", "<|im_end|>").unwrap();
-    let m = |role: &str, text: &str| ChatMessage {
-        role: role.into(),
-        content: Some(Content::Text(text.into())),
-    };
-    // p04's ChatML equals transformers' apply_chat_template on the parity
-    // fixture's single-turn prompt; the GGUF's own Jinja, rendered here,
-    // must agree with it on multi-turn conversations, with and without a
-    // system turn (the template adds SmolLM's default system prompt).
-    let turns = [
-        ("system", "Be brief."),
-        ("user", "Hi"),
-        ("assistant", "Hello!"),
-        ("user", "2+2?"),
-    ];
-    let msgs: Vec<ChatMessage> = turns.iter().map(|(r, c)| m(r, c)).collect();
-    assert_eq!(t.render(&msgs).unwrap(), tok.chat_prompt(&turns));
-    assert_eq!(t.render(&msgs[1..]).unwrap(), tok.chat_prompt(&turns[1..]));
 }
