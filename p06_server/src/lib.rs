@@ -2,6 +2,7 @@
 //!
 //! - [`request`]: JSON in, every field checked, an [`common::engine::EngineRequest`] out.
 //! - [`input`]: request → token ids and generation settings (template, BOS, context, sampling), shared by local engines.
+//! - [`gauges`]: what a local engine counts (waiting, running, K/V bytes, closing, service time).
 //! - [`serial`]: the serial engine: one model thread, a bounded queue, cancellation between steps.
 //! - [`template`]: the model's chat template (Jinja, from the GGUF).
 //! - [`routes`]: the axum router: completions, chat, models, health, metrics; SSE streaming.
@@ -12,6 +13,7 @@
 pub mod bench;
 pub mod bench_overhead;
 pub mod error;
+pub mod gauges;
 pub mod input;
 pub mod metrics;
 pub mod request;

@@ -4,9 +4,7 @@
 //!   cargo run --release -p p06_server -- --model smollm2
 //!   cargo run --release -p p06_server -- bench --url http://127.0.0.1:8000 --rate 2 --num-requests 100
 
-use std::io::Write;
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
@@ -36,26 +34,11 @@ enum Cmd {
 
 #[derive(Clone, Debug, Args)]
 struct ServeArgs {
-    /// `smollm2` (fetched on first run), a .gguf file or an HF Llama directory.
-    #[arg(long, default_value = "smollm2")]
-    model: String,
-    #[arg(long, default_value = "127.0.0.1")]
-    host: String,
-    /// 0 picks a free port (the chosen one is printed).
-    #[arg(long, default_value_t = 8000)]
-    port: u16,
-    /// The name clients pass as `model` (default: SmolLM2-135M-Instruct or the file stem).
-    #[arg(long)]
-    served_model_name: Option<String>,
+    #[command(flatten)]
+    listen: server::ListenArgs,
     /// Requests that may wait behind the running one; more get 429.
     #[arg(long, default_value_t = 64)]
     max_waiting: usize,
-    /// Larger request bodies get 413.
-    #[arg(long, default_value_t = 1 << 20)]
-    max_body_bytes: usize,
-    /// Seconds in-flight requests get to finish after SIGTERM/SIGINT.
-    #[arg(long, default_value_t = 30)]
-    shutdown_grace_s: u64,
     /// Serve no model here: forward every request to this OpenAI-compatible
     /// server (e.g. http://127.0.0.1:8080) through `common::client::RemoteEngine`,
     /// under the served model name.
@@ -77,32 +60,20 @@ fn main() -> Result<()> {
 }
 
 async fn serve(a: ServeArgs) -> Result<()> {
-    let name = a
-        .served_model_name
-        .clone()
-        .unwrap_or_else(|| server::served_name(&a.model));
-    let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port))
-        .await
-        .with_context(|| format!("binding {}:{}", a.host, a.port))?;
-    let addr = listener.local_addr()?;
-    println!("listening on http://{addr} (model {name})");
-    let _ = std::io::stdout().flush();
+    let name = a.listen.name();
+    let listener = a.listen.bind().await?;
+    let grace = a.listen.grace();
 
     if let Some(up) = &a.upstream {
         let engine = Arc::new(common::client::RemoteEngine::new(up, &name));
-        let state = AppState::new(engine, a.max_body_bytes);
+        let state = AppState::new(engine, a.listen.max_body_bytes);
         println!("ready: forwarding to {up}");
-        return Ok(server::run_until_signal(
-            listener,
-            state,
-            Duration::from_secs(a.shutdown_grace_s),
-        )
-        .await?);
+        return Ok(server::run_until_signal(listener, state, grace).await?);
     }
-    let (spec, max_waiting) = (a.model.clone(), a.max_waiting);
-    let state = server::load_in_background(&name, a.max_body_bytes, move |name| {
+    let (spec, max_waiting) = (a.listen.model.clone(), a.max_waiting);
+    let state = server::load_in_background(&name, a.listen.max_body_bytes, move |name| {
         let path = server::resolve_model(&spec)?;
         Ok(Arc::new(server::load_serial(&path, name, max_waiting)?))
     });
-    Ok(server::run_until_signal(listener, state, Duration::from_secs(a.shutdown_grace_s)).await?)
+    Ok(server::run_until_signal(listener, state, grace).await?)
 }

@@ -8,7 +8,7 @@
 //! there, so a disconnect ends the work within one step and drops the
 //! request's KV cache.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -22,6 +22,7 @@ use p04_transformer::Tokenizer;
 use p05_kv_cache::generate::{FinishReason, GenerateError, GenerateParams, Generator, Step};
 use tokio::sync::mpsc;
 
+use crate::gauges::EngineGauges;
 use crate::input::{InputProcessor, Prepared};
 
 /// A queued request: token ids, settings, and where its events go.
@@ -32,24 +33,12 @@ struct Job {
     events: mpsc::UnboundedSender<EngineEvent>,
 }
 
-/// Counters shared by the HTTP side and the model thread.
-#[derive(Debug, Default)]
-struct Shared {
-    waiting: AtomicUsize,
-    running: AtomicUsize,
-    kv_cache_bytes: AtomicUsize,
-    /// Set by `abort_all`: refuse new work, end the running request.
-    closing: AtomicBool,
-    /// Seconds per finished request, smoothed (f64 bits): the Retry-After hint.
-    service_s: AtomicU64,
-}
-
 #[derive(Debug)]
 pub struct SerialEngine {
     name: String,
     input: InputProcessor,
     queue: mpsc::Sender<Job>,
-    shared: Arc<Shared>,
+    shared: Arc<EngineGauges>,
     worker: Option<JoinHandle<()>>,
 }
 
@@ -66,7 +55,7 @@ impl SerialEngine {
     {
         let input = InputProcessor::new(tokenizer.clone(), model.info())?;
         let (queue, rx) = mpsc::channel(max_waiting.max(1));
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(EngineGauges::default());
         let worker = {
             let (tok, shared) = (tokenizer.clone(), shared.clone());
             std::thread::Builder::new()
@@ -94,19 +83,11 @@ impl Engine for SerialEngine {
     }
 
     fn load(&self) -> EngineLoad {
-        EngineLoad {
-            running: self.shared.running.load(Ordering::SeqCst),
-            waiting: self.shared.waiting.load(Ordering::SeqCst),
-            kv_cache_bytes: self.shared.kv_cache_bytes.load(Ordering::SeqCst),
-        }
+        self.shared.load()
     }
 
     fn submit(&self, request: EngineRequest) -> Result<EngineStream, EngineError> {
-        if self.shared.closing.load(Ordering::SeqCst) {
-            return Err(EngineError::Unavailable(
-                "the server is shutting down".into(),
-            ));
-        }
+        self.shared.check_open()?;
         let Prepared { prompt, params } = self.input.prepare(request)?;
         let (events, rx) = mpsc::unbounded_channel();
         let job = Job {
@@ -119,11 +100,7 @@ impl Engine for SerialEngine {
             let waiting = self.shared.waiting.fetch_sub(1, Ordering::SeqCst) - 1;
             return Err(match e {
                 mpsc::error::TrySendError::Full(_) => {
-                    let per = f64::from_bits(self.shared.service_s.load(Ordering::Relaxed));
-                    EngineError::QueueFull {
-                        waiting,
-                        retry_after_s: ((waiting + 1) as f64 * per).ceil().max(1.0) as u64,
-                    }
+                    self.shared.queue_full(waiting, (waiting + 1) as f64)
                 }
                 mpsc::error::TrySendError::Closed(_) => {
                     EngineError::Unavailable("the model thread has stopped".into())
@@ -154,7 +131,7 @@ fn model_thread<M: Model>(
     model: &M,
     tok: &Tokenizer,
     mut queue: mpsc::Receiver<Job>,
-    shared: &Shared,
+    shared: &EngineGauges,
 ) {
     while let Some(job) = queue.blocking_recv() {
         shared.running.fetch_add(1, Ordering::SeqCst);
@@ -171,10 +148,7 @@ fn model_thread<M: Model>(
             },
             Err(e) => EngineEvent::Error(e),
         });
-        let s = t0.elapsed().as_secs_f64();
-        let old = f64::from_bits(shared.service_s.load(Ordering::Relaxed));
-        let new = if old == 0.0 { s } else { 0.8 * old + 0.2 * s };
-        shared.service_s.store(new.to_bits(), Ordering::Relaxed);
+        shared.observe_service(t0.elapsed().as_secs_f64());
     }
 }
 
@@ -185,9 +159,9 @@ fn run_job<M: Model>(
     model: &M,
     tok: &Tokenizer,
     job: &Job,
-    shared: &Shared,
+    shared: &EngineGauges,
 ) -> Result<(Finish, usize, usize), EngineError> {
-    let cancelled = || job.events.is_closed() || shared.closing.load(Ordering::SeqCst);
+    let cancelled = || job.events.is_closed() || shared.is_closing();
     let prompt_tokens = job.prompt.len();
     if cancelled() {
         return Ok((Finish::Abort, prompt_tokens, 0));

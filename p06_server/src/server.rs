@@ -15,6 +15,57 @@ use tokio::net::TcpListener;
 use crate::routes::{router, AppState};
 use crate::serial::SerialEngine;
 
+/// The options every serving binary shares (p06's, p07's, ...): what to
+/// serve, where, and how to stop. Each binary flattens it into its own.
+#[derive(Clone, Debug, clap::Args)]
+pub struct ListenArgs {
+    /// `smollm2` (fetched on first run), a .gguf file or an HF Llama directory.
+    #[arg(long, default_value = "smollm2")]
+    pub model: String,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// 0 picks a free port (the chosen one is printed).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// The name clients pass as `model` (default: SmolLM2-135M-Instruct or the file stem).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Larger request bodies get 413.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub max_body_bytes: usize,
+    /// Seconds in-flight requests get to finish after SIGTERM/SIGINT.
+    #[arg(long, default_value_t = 30)]
+    pub shutdown_grace_s: u64,
+}
+
+impl ListenArgs {
+    /// The served model name.
+    pub fn name(&self) -> String {
+        self.served_model_name
+            .clone()
+            .unwrap_or_else(|| served_name(&self.model))
+    }
+
+    /// Bind, and print `listening on http://ADDR (model NAME)` (tests read it).
+    pub async fn bind(&self) -> anyhow::Result<TcpListener> {
+        use anyhow::Context;
+        let listener = TcpListener::bind((self.host.as_str(), self.port))
+            .await
+            .with_context(|| format!("binding {}:{}", self.host, self.port))?;
+        println!(
+            "listening on http://{} (model {})",
+            listener.local_addr()?,
+            self.name()
+        );
+        let _ = std::io::Write::flush(&mut std::io::stdout());
+        Ok(listener)
+    }
+
+    pub fn grace(&self) -> Duration {
+        Duration::from_secs(self.shutdown_grace_s)
+    }
+}
+
 /// The name clients use for `--model`: SmolLM2's for `smollm2`, else the file stem.
 pub fn served_name(spec: &str) -> String {
     if spec.eq_ignore_ascii_case("smollm2") {

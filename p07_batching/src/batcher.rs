@@ -16,7 +16,7 @@
 //! the live members, run [`BatchModel::forward_batch`], then
 //! [`Sequence::on_logits`] for each member's row.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self as std_mpsc, RecvTimeoutError, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -29,6 +29,7 @@ use common::engine::{
 use p04_transformer::Tokenizer;
 use p05_kv_cache::generate::{FinishReason, GenerateParams, Sequence, Step};
 use p05_kv_cache::kv_cache::KvCache;
+use p06_server::gauges::EngineGauges;
 use p06_server::input::{InputProcessor, Prepared};
 use p06_server::serial::{engine_error, token_out};
 use tokio::sync::mpsc;
@@ -71,16 +72,11 @@ struct Job {
 /// Counters shared by the HTTP side and the model thread.
 #[derive(Debug, Default)]
 struct Shared {
-    waiting: AtomicUsize,
-    running: AtomicUsize,
-    kv_cache_bytes: AtomicUsize,
-    /// Set by `abort_all`: refuse new work, end the running batch.
-    closing: AtomicBool,
+    /// Waiting, running, K/V bytes, closing; service time per batch.
+    gauges: EngineGauges,
     /// A batch is running (cleared before its last member's final event, so
     /// a client that answers it at once finds the engine idle).
     busy: AtomicBool,
-    /// Seconds per batch, smoothed (f64 bits): the Retry-After hint.
-    batch_s: AtomicU64,
     stats: Mutex<BatchStats>,
 }
 
@@ -153,20 +149,15 @@ impl Engine for BatchingEngine {
     }
 
     fn load(&self) -> EngineLoad {
-        EngineLoad {
-            running: self.shared.running.load(Ordering::SeqCst),
-            waiting: self.shared.waiting.load(Ordering::SeqCst),
-            kv_cache_bytes: self.shared.kv_cache_bytes.load(Ordering::SeqCst),
-        }
+        self.shared.gauges.load()
     }
 
     fn submit(&self, request: EngineRequest) -> Result<EngineStream, EngineError> {
-        let unavailable = || EngineError::Unavailable("the server is shutting down".into());
-        if self.shared.closing.load(Ordering::SeqCst) {
-            return Err(unavailable());
-        }
+        self.shared.gauges.check_open()?;
         let Some(queue) = &self.queue else {
-            return Err(unavailable());
+            return Err(EngineError::Unavailable(
+                "the server is shutting down".into(),
+            ));
         };
         let Prepared { prompt, params } = self.input.prepare(request)?;
         let (events, rx) = mpsc::unbounded_channel();
@@ -177,17 +168,13 @@ impl Engine for BatchingEngine {
             arrival: Instant::now(),
             behind_batch: self.shared.busy.load(Ordering::SeqCst),
         };
-        self.shared.waiting.fetch_add(1, Ordering::SeqCst);
+        self.shared.gauges.waiting.fetch_add(1, Ordering::SeqCst);
         if let Err(e) = queue.try_send(job) {
-            let waiting = self.shared.waiting.fetch_sub(1, Ordering::SeqCst) - 1;
+            let waiting = self.shared.gauges.waiting.fetch_sub(1, Ordering::SeqCst) - 1;
             return Err(match e {
                 TrySendError::Full(_) => {
-                    let per = f64::from_bits(self.shared.batch_s.load(Ordering::Relaxed));
                     let batches = (waiting / self.config.max_batch + 1) as f64;
-                    EngineError::QueueFull {
-                        waiting,
-                        retry_after_s: (batches * per).ceil().max(1.0) as u64,
-                    }
+                    self.shared.gauges.queue_full(waiting, batches)
                 }
                 TrySendError::Disconnected(_) => {
                     EngineError::Unavailable("the model thread has stopped".into())
@@ -198,7 +185,7 @@ impl Engine for BatchingEngine {
     }
 
     fn abort_all(&self) {
-        self.shared.closing.store(true, Ordering::SeqCst);
+        self.shared.gauges.closing.store(true, Ordering::SeqCst);
     }
 
     fn extra_metrics(&self, out: &mut String) {
@@ -208,7 +195,7 @@ impl Engine for BatchingEngine {
 
 impl Drop for BatchingEngine {
     fn drop(&mut self) {
-        self.shared.closing.store(true, Ordering::SeqCst);
+        self.shared.gauges.closing.store(true, Ordering::SeqCst);
         // Closing the queue ends the model thread after its current batch.
         drop(self.queue.take());
         if let Some(w) = self.worker.take() {
@@ -227,7 +214,10 @@ fn model_thread<M: BatchModel>(
     let mut ws = model.new_workspace();
     while let Some(jobs) = collect(queue, config) {
         let t0 = Instant::now();
-        shared.waiting.fetch_sub(jobs.len(), Ordering::SeqCst);
+        shared
+            .gauges
+            .waiting
+            .fetch_sub(jobs.len(), Ordering::SeqCst);
         {
             let mut st = shared.stats.lock().unwrap_or_else(|e| e.into_inner());
             st.batches += 1;
@@ -239,10 +229,7 @@ fn model_thread<M: BatchModel>(
         shared.busy.store(true, Ordering::SeqCst);
         run_batch(model, tok, &mut ws, jobs, shared);
         shared.busy.store(false, Ordering::SeqCst);
-        let s = t0.elapsed().as_secs_f64();
-        let old = f64::from_bits(shared.batch_s.load(Ordering::Relaxed));
-        let new = if old == 0.0 { s } else { 0.8 * old + 0.2 * s };
-        shared.batch_s.store(new.to_bits(), Ordering::Relaxed);
+        shared.gauges.observe_service(t0.elapsed().as_secs_f64());
     }
 }
 
@@ -326,13 +313,16 @@ fn run_batch<M: BatchModel>(
         }
     }
     let slots = members.len() as u64;
-    shared.running.fetch_add(members.len(), Ordering::SeqCst);
+    shared
+        .gauges
+        .running
+        .fetch_add(members.len(), Ordering::SeqCst);
     let mut batch = Batch::new();
     let mut logits: Vec<f32> = Vec::new();
     let mut prefill = true;
     loop {
         // Schedule: drop members whose client left; the rest bring their next token.
-        let closing = shared.closing.load(Ordering::SeqCst);
+        let closing = shared.gauges.is_closing();
         for m in members.iter_mut().filter(|m| m.kv.is_some()) {
             if closing || m.job.events.is_closed() {
                 m.done(Finish::Abort);
@@ -356,6 +346,7 @@ fn run_batch<M: BatchModel>(
             break;
         }
         shared
+            .gauges
             .kv_cache_bytes
             .store(stores.iter().map(|s| s.bytes()).sum(), Ordering::SeqCst);
         if !prefill {
@@ -406,6 +397,9 @@ fn run_batch<M: BatchModel>(
             }
         }
     }
-    shared.kv_cache_bytes.store(0, Ordering::SeqCst);
-    shared.running.fetch_sub(slots as usize, Ordering::SeqCst);
+    shared.gauges.kv_cache_bytes.store(0, Ordering::SeqCst);
+    shared
+        .gauges
+        .running
+        .fetch_sub(slots as usize, Ordering::SeqCst);
 }

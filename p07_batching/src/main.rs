@@ -35,17 +35,8 @@ enum Cmd {
 
 #[derive(Clone, Debug, Args)]
 struct ServeArgs {
-    /// `smollm2` (fetched on first run), a .gguf file or an HF Llama directory.
-    #[arg(long, default_value = "smollm2")]
-    model: String,
-    #[arg(long, default_value = "127.0.0.1")]
-    host: String,
-    /// 0 picks a free port (the chosen one is printed).
-    #[arg(long, default_value_t = 8000)]
-    port: u16,
-    /// The name clients pass as `model` (default: SmolLM2-135M-Instruct or the file stem).
-    #[arg(long)]
-    served_model_name: Option<String>,
+    #[command(flatten)]
+    listen: server::ListenArgs,
     /// Most requests in one batch.
     #[arg(long, default_value_t = 16)]
     max_batch: usize,
@@ -55,12 +46,6 @@ struct ServeArgs {
     /// Requests that may wait for a batch; more get 429.
     #[arg(long, default_value_t = 256)]
     max_waiting: usize,
-    /// Larger request bodies get 413.
-    #[arg(long, default_value_t = 1 << 20)]
-    max_body_bytes: usize,
-    /// Seconds in-flight requests get to finish after SIGTERM/SIGINT.
-    #[arg(long, default_value_t = 30)]
-    shutdown_grace_s: u64,
 }
 
 fn main() -> Result<()> {
@@ -78,24 +63,15 @@ fn main() -> Result<()> {
 }
 
 async fn serve(a: ServeArgs) -> Result<()> {
-    let name = a
-        .served_model_name
-        .clone()
-        .unwrap_or_else(|| server::served_name(&a.model));
-    let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port))
-        .await
-        .with_context(|| format!("binding {}:{}", a.host, a.port))?;
-    println!(
-        "listening on http://{} (model {name})",
-        listener.local_addr()?
-    );
+    let name = a.listen.name();
+    let listener = a.listen.bind().await?;
     let config = BatchConfig {
         max_batch: a.max_batch,
         max_wait: Duration::from_millis(a.max_wait_ms),
         max_waiting: a.max_waiting,
     };
-    let spec = a.model.clone();
-    let state = server::load_in_background(&name, a.max_body_bytes, move |name| {
+    let spec = a.listen.model.clone();
+    let state = server::load_in_background(&name, a.listen.max_body_bytes, move |name| {
         let path = server::resolve_model(&spec)?;
         let loaded =
             p05_kv_cache::load::load(&path).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -106,5 +82,5 @@ async fn serve(a: ServeArgs) -> Result<()> {
             BatchingEngine::start(Arc::new(loaded.engine), Arc::new(tokenizer), name, config)?;
         Ok(Arc::new(engine))
     });
-    Ok(server::run_until_signal(listener, state, Duration::from_secs(a.shutdown_grace_s)).await?)
+    Ok(server::run_until_signal(listener, state, a.listen.grace()).await?)
 }
