@@ -235,9 +235,11 @@ fn gemm_dispatch(
     let (mr, nr) = (kernel.mr, kernel.nr);
     // A single row is one pass over the weights: worth splitting from ~1 MB
     // of weights on (the wake-up then costs less than the streaming it halves).
-    // So are up to mr rows (a small batch's decode step: one tile row streams
-    // the weights once), judged by the weights' size alone.
-    let (work, min_macs) = if m <= mr {
+    // So are fewer than 2 mr rows (a small batch's decode step: one or two
+    // tile rows stream the weights once), judged by the weights' size alone
+    // (SmolLM2's 576x576 projections at batch 8 went from one core to two:
+    // batch-8 decode step 67 -> 62 ms median, A B A B x 3, noisy).
+    let (work, min_macs) = if m < 2 * mr {
         (n * k, PAR_MIN_MACS_M1)
     } else {
         (m * n * k, PAR_MIN_MACS)
