@@ -332,12 +332,20 @@ fn run_batch<M: BatchModel>(
         let mut stores: Vec<&mut KvCache> = Vec::with_capacity(members.len());
         let mut rows: Vec<usize> = Vec::with_capacity(members.len());
         for (i, m) in members.iter_mut().enumerate() {
-            let Some(kv) = m.kv.as_mut() else { continue };
-            let pushed = match m.seq.next_input() {
-                Some(t) if !prefill => batch.push(&[t], kv.len()),
-                _ => batch.push(m.seq.prompt(), kv.len()),
+            let Some(len) = m.kv.as_ref().map(|kv| kv.len()) else {
+                continue;
             };
-            if pushed.is_ok() {
+            let pushed = match m.seq.next_input() {
+                Some(t) if !prefill => batch.push(&[t], len),
+                _ => batch.push(m.seq.prompt(), len),
+            };
+            if let Err(e) = pushed {
+                // Unreachable for a checked request (no empty prompt), but a
+                // member that cannot join the step must not wait forever.
+                m.end(EngineEvent::Error(EngineError::Internal(e.to_string())));
+                continue;
+            }
+            if let Some(kv) = m.kv.as_mut() {
                 stores.push(kv);
                 rows.push(i);
             }
