@@ -10,7 +10,7 @@ use std::sync::Arc;
 use common::engine::{EngineError, EngineRequest, PromptInput};
 use common::ModelInfo;
 use p04_transformer::prompt::check_context;
-use p04_transformer::{PromptBuilder, Tokenizer};
+use p04_transformer::{PromptBuilder, PromptError, Tokenizer};
 use p05_kv_cache::generate::GenerateParams;
 use p05_kv_cache::sampling::SamplingParams;
 
@@ -33,9 +33,10 @@ pub struct InputProcessor {
 }
 
 impl InputProcessor {
-    pub fn new(tokenizer: Arc<Tokenizer>, info: &ModelInfo) -> Result<InputProcessor, String> {
+    /// Fails when the model's chat template does not compile.
+    pub fn new(tokenizer: Arc<Tokenizer>, info: &ModelInfo) -> Result<InputProcessor, PromptError> {
         Ok(InputProcessor {
-            prompts: PromptBuilder::new(tokenizer).map_err(|e| e.to_string())?,
+            prompts: PromptBuilder::new(tokenizer)?,
             context: info.context_length,
             vocab: info.vocab_size,
             seed_counter: AtomicU64::new(common::openai::unix_now()),

@@ -53,7 +53,8 @@ impl SerialEngine {
     where
         M: Model + Send + Sync + 'static,
     {
-        let input = InputProcessor::new(tokenizer.clone(), model.info())?;
+        let input =
+            InputProcessor::new(tokenizer.clone(), model.info()).map_err(|e| e.to_string())?;
         let (queue, rx) = mpsc::channel(max_waiting.max(1));
         let shared = Arc::new(EngineGauges::default());
         let worker = {

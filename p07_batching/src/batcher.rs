@@ -107,7 +107,8 @@ impl BatchingEngine {
             max_waiting: config.max_waiting.max(1),
             ..config
         };
-        let input = InputProcessor::new(tokenizer.clone(), model.info())?;
+        let input =
+            InputProcessor::new(tokenizer.clone(), model.info()).map_err(|e| e.to_string())?;
         let (queue, rx) = std_mpsc::sync_channel(config.max_waiting);
         let shared = Arc::new(Shared::default());
         let worker = {
