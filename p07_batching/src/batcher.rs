@@ -270,18 +270,21 @@ struct Member {
 }
 
 impl Member {
-    fn end(&mut self, event: EngineEvent) {
+    /// Free the K/V and leave the running count, then send the last event
+    /// (so a client that reads it finds the gauges already updated).
+    fn end(&mut self, event: EngineEvent, gauges: &EngineGauges) {
         self.kv = None;
+        gauges.running.fetch_sub(1, Ordering::SeqCst);
         let _ = self.job.events.send(event);
     }
 
-    fn done(&mut self, finish: Finish) {
+    fn done(&mut self, finish: Finish, gauges: &EngineGauges) {
         let event = EngineEvent::Done {
             finish,
             prompt_tokens: self.seq.prompt_tokens(),
             completion_tokens: self.seq.generated_tokens(),
         };
-        self.end(event);
+        self.end(event, gauges);
     }
 }
 
@@ -326,7 +329,7 @@ fn run_batch<M: BatchModel>(
         let closing = shared.gauges.is_closing();
         for m in members.iter_mut().filter(|m| m.kv.is_some()) {
             if closing || m.job.events.is_closed() {
-                m.done(Finish::Abort);
+                m.done(Finish::Abort, &shared.gauges);
             }
         }
         batch.clear();
@@ -343,7 +346,10 @@ fn run_batch<M: BatchModel>(
             if let Err(e) = pushed {
                 // Unreachable for a checked request (no empty prompt), but a
                 // member that cannot join the step must not wait forever.
-                m.end(EngineEvent::Error(EngineError::Internal(e.to_string())));
+                m.end(
+                    EngineEvent::Error(EngineError::Internal(e.to_string())),
+                    &shared.gauges,
+                );
                 continue;
             }
             if let Some(kv) = m.kv.as_mut() {
@@ -368,7 +374,7 @@ fn run_batch<M: BatchModel>(
         if let Err(e) = model.forward_batch(&batch, &mut stores, ws, &mut logits) {
             let err = EngineError::Internal(e.to_string());
             for &i in &rows {
-                members[i].end(EngineEvent::Error(err.clone()));
+                members[i].end(EngineEvent::Error(err.clone()), &shared.gauges);
             }
             break;
         }
@@ -392,6 +398,7 @@ fn run_batch<M: BatchModel>(
             .all(|m| m.kv.is_none() || m.seq.is_finished())
         {
             shared.busy.store(false, Ordering::SeqCst);
+            shared.gauges.kv_cache_bytes.store(0, Ordering::SeqCst);
         }
         for (i, is_token, step) in steps {
             let m = &mut members[i];
@@ -399,16 +406,13 @@ fn run_batch<M: BatchModel>(
                 let _ = m.job.events.send(EngineEvent::Token(token_out(tok, &step)));
             }
             if let Some(f) = step.finish {
-                m.done(match f {
+                let finish = match f {
                     FinishReason::Stop => Finish::Stop,
                     FinishReason::Length => Finish::Length,
-                });
+                };
+                m.done(finish, &shared.gauges);
             }
         }
     }
     shared.gauges.kv_cache_bytes.store(0, Ordering::SeqCst);
-    shared
-        .gauges
-        .running
-        .fetch_sub(slots as usize, Ordering::SeqCst);
 }
