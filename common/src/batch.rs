@@ -272,6 +272,27 @@ pub trait BatchModel: Model + Send + Sync {
     ) -> Result<(), <Self as Model>::Error>;
 }
 
+/// The single-sequence adapter every engine's `Model` API runs: `ids` at
+/// positions `store.len()..` as a batch of one (reusing `batch`), the last
+/// token's logits into `logits` (vocab).
+pub fn forward_one<M, S>(
+    model: &M,
+    batch: &mut Batch,
+    ws: &mut M::Workspace,
+    ids: &[u32],
+    mut store: &mut S,
+    logits: &mut [f32],
+) -> Result<(), <M as Model>::Error>
+where
+    M: BatchModel,
+    S: KvStore,
+    <M as Model>::Error: From<BatchError>,
+{
+    batch.clear();
+    batch.push(ids, store.len())?;
+    model.forward_batch(batch, std::slice::from_mut(&mut store), ws, logits)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

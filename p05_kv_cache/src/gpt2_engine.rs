@@ -43,10 +43,7 @@ impl Gpt2Engine {
     ) -> Result<(), EngineError> {
         let mut guard = self.adapter.lock().unwrap_or_else(|e| e.into_inner());
         let (batch, ws) = &mut *guard;
-        batch.clear();
-        batch.push(ids, cache.len)?;
-        let mut kv = cache;
-        self.forward_batch(batch, std::slice::from_mut(&mut kv), ws, logits)
+        common::batch::forward_one(self, batch, ws, ids, cache, logits)
     }
 }
 

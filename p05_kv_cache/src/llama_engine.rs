@@ -102,10 +102,7 @@ impl LlamaEngine {
     ) -> Result<(), EngineError> {
         let mut guard = self.adapter.lock().unwrap_or_else(|e| e.into_inner());
         let (batch, ws) = &mut *guard;
-        batch.clear();
-        batch.push(ids, cache.kv.len)?;
-        let mut kv = &mut cache.kv;
-        self.forward_batch(batch, std::slice::from_mut(&mut kv), ws, logits)
+        common::batch::forward_one(self, batch, ws, ids, &mut cache.kv, logits)
     }
 }
 
