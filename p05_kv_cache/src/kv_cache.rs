@@ -55,6 +55,35 @@ impl KvCache {
         2 * n_layer * n_kv_head * head_dim * max_seq * 4
     }
 
+    /// Bytes one position takes: K and V, every layer and KV head.
+    pub fn bytes_per_position(n_layer: usize, n_kv_head: usize, head_dim: usize) -> usize {
+        Self::formula_bytes(n_layer, n_kv_head, head_dim, 1)
+    }
+
+    /// Reallocate for `max_seq` positions (never fewer than `len`), copying
+    /// the filled ones: how a contiguous cache grows (and why it wastes room
+    /// and copies, which paged blocks avoid). Asking for less than `len`
+    /// keeps `len`.
+    pub fn grow(&mut self, max_seq: usize) {
+        let max_seq = max_seq.max(self.len);
+        if max_seq == self.max_seq {
+            return;
+        }
+        let (hd, len, old) = (self.head_dim, self.len, self.max_seq);
+        let per = self.n_kv_head * max_seq * hd;
+        let relayout = |src: &Vec<f32>| {
+            let mut dst = vec![0.0f32; per];
+            for h in 0..self.n_kv_head {
+                dst[h * max_seq * hd..][..len * hd]
+                    .copy_from_slice(&src[h * old * hd..][..len * hd]);
+            }
+            dst
+        };
+        self.k = self.k.iter().map(relayout).collect();
+        self.v = self.v.iter().map(relayout).collect();
+        self.max_seq = max_seq;
+    }
+
     /// Bytes actually held by the K and V buffers.
     pub fn allocated_bytes(&self) -> usize {
         self.k.iter().chain(&self.v).map(|b| b.capacity() * 4).sum()
@@ -141,6 +170,44 @@ impl KvStore for KvCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn grow_keeps_every_filled_position_of_every_head() {
+        let mut c = KvCache::new(2, 3, 4, 5);
+        let w = 3 * 4;
+        let rows = |base: f32| (0..3 * w).map(|i| base + i as f32).collect::<Vec<f32>>();
+        for layer in 0..2 {
+            c.write(
+                layer,
+                &rows(100.0 * layer as f32),
+                &rows(-100.0 * layer as f32 - 1.0),
+                3,
+            );
+        }
+        c.len = 3;
+        let before: Vec<(Vec<f32>, Vec<f32>)> = (0..2)
+            .flat_map(|l| (0..3).map(move |h| (l, h)))
+            .map(|(l, h)| {
+                let (k, v) = c.head(l, h);
+                (k[..3 * 4].to_vec(), v[..3 * 4].to_vec())
+            })
+            .collect();
+        c.grow(11);
+        assert_eq!((c.max_seq, c.len), (11, 3));
+        assert_eq!(c.allocated_bytes(), KvCache::formula_bytes(2, 3, 4, 11));
+        let after: Vec<(Vec<f32>, Vec<f32>)> = (0..2)
+            .flat_map(|l| (0..3).map(move |h| (l, h)))
+            .map(|(l, h)| {
+                let (k, v) = c.head(l, h);
+                (k[..3 * 4].to_vec(), v[..3 * 4].to_vec())
+            })
+            .collect();
+        assert_eq!(before, after);
+        // Shrinking below the filled length keeps the filled length.
+        c.grow(1);
+        assert_eq!(c.max_seq, 3);
+        assert_eq!(KvCache::bytes_per_position(30, 3, 64), 46_080);
+    }
 
     #[test]
     fn formula_matches_allocation_and_full_is_an_error() {

@@ -1,0 +1,357 @@
+//! The continuous batcher behind the `Engine` seam. The HTTP side prepares
+//! requests (p06's input path) and hands them to one model thread, which
+//! loops:
+//!
+//! 1. **intake**: take new requests (block only when there is no work);
+//! 2. **cancel**: drop requests whose client left (their K/V is freed now,
+//!    not at the end of a batch);
+//! 3. **step**: [`EngineCore::step`] (schedule → run → post-process);
+//! 4. **stream**: send each sampled token, and the end of each finished
+//!    request, to its client.
+//!
+//! Requests join and leave between any two steps: there is no batch to
+//! wait for (Project 07's lock-step), only a token budget to share.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use common::batch::BatchModel;
+use common::engine::{
+    Engine, EngineError, EngineEvent, EngineLoad, EngineRequest, EngineStream, Finish,
+};
+use p04_transformer::Tokenizer;
+use p05_kv_cache::generate::{FinishReason, GenerateParams};
+use p06_server::gauges::EngineGauges;
+use p06_server::input::{InputProcessor, Prepared};
+use p06_server::serial::{engine_error, token_out};
+use tokio::sync::mpsc;
+
+use crate::core::{AddError, ContinuousConfig, EngineCore, StepOutput};
+use crate::scheduler::SeqId;
+use crate::stats::StepStats;
+
+/// A request on its way to the model thread.
+#[derive(Debug)]
+struct Job {
+    prompt: Vec<u32>,
+    params: GenerateParams,
+    events: mpsc::UnboundedSender<EngineEvent>,
+    arrival: Instant,
+}
+
+/// Counters shared by the HTTP side and the model thread.
+#[derive(Debug, Default)]
+struct Shared {
+    gauges: EngineGauges,
+    stats: Mutex<StepStats>,
+}
+
+#[derive(Debug)]
+pub struct ContinuousEngine {
+    name: String,
+    labels: String,
+    input: InputProcessor,
+    config: ContinuousConfig,
+    queue: Option<std_mpsc::Sender<Job>>,
+    shared: Arc<Shared>,
+    worker: Option<JoinHandle<()>>,
+}
+
+impl ContinuousEngine {
+    /// Check the configuration and start the model thread.
+    pub fn start<M>(
+        model: Arc<M>,
+        tokenizer: Arc<Tokenizer>,
+        name: &str,
+        config: ContinuousConfig,
+    ) -> Result<ContinuousEngine, String>
+    where
+        M: BatchModel + 'static,
+    {
+        let config = ContinuousConfig {
+            max_waiting: config.max_waiting.max(1),
+            ..config
+        };
+        // Fail here, not on the thread, when the knobs are inconsistent.
+        let capacity = EngineCore::new(&*model, &tokenizer, &config)
+            .map_err(|e| e.to_string())?
+            .kv_capacity_bytes();
+        let input =
+            InputProcessor::new(tokenizer.clone(), model.info()).map_err(|e| e.to_string())?;
+        let (queue, rx) = std_mpsc::channel();
+        let shared = Arc::new(Shared::default());
+        shared
+            .stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .kv_capacity_bytes = capacity;
+        let worker = {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name("model".into())
+                .spawn(move || model_thread(&*model, &tokenizer, &rx, &shared, &config))
+                .map_err(|e| format!("cannot start the model thread: {e}"))?
+        };
+        let escaped = name.replace('\\', "\\\\").replace('"', "\\\"");
+        Ok(ContinuousEngine {
+            name: name.to_string(),
+            labels: format!("model_name=\"{escaped}\""),
+            input,
+            config,
+            queue: Some(queue),
+            shared,
+            worker: Some(worker),
+        })
+    }
+
+    /// The scheduler's statistics so far.
+    pub fn stats(&self) -> StepStats {
+        self.shared
+            .stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+impl Engine for ContinuousEngine {
+    fn model_name(&self) -> &str {
+        &self.name
+    }
+
+    fn context_length(&self) -> Option<usize> {
+        Some(self.input.context())
+    }
+
+    fn load(&self) -> EngineLoad {
+        self.shared.gauges.load()
+    }
+
+    fn submit(&self, request: EngineRequest) -> Result<EngineStream, EngineError> {
+        self.shared.gauges.check_open()?;
+        let Some(queue) = &self.queue else {
+            return Err(EngineError::Unavailable(
+                "the server is shutting down".into(),
+            ));
+        };
+        let Prepared { prompt, params } = self.input.prepare(request)?;
+        let gauges = &self.shared.gauges;
+        let waiting = gauges.waiting.fetch_add(1, Ordering::SeqCst);
+        if waiting >= self.config.max_waiting {
+            gauges.waiting.fetch_sub(1, Ordering::SeqCst);
+            // Each running slot frees in about one request's service time.
+            let ahead = waiting as f64 / self.config.max_num_seqs.max(1) as f64;
+            return Err(gauges.queue_full(waiting, ahead.max(1.0)));
+        }
+        let (events, rx) = mpsc::unbounded_channel();
+        let job = Job {
+            prompt,
+            params,
+            events,
+            arrival: Instant::now(),
+        };
+        if queue.send(job).is_err() {
+            gauges.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(EngineError::Unavailable(
+                "the model thread has stopped".into(),
+            ));
+        }
+        Ok(rx)
+    }
+
+    fn abort_all(&self) {
+        self.shared.gauges.closing.store(true, Ordering::SeqCst);
+    }
+
+    fn extra_metrics(&self, out: &mut String) {
+        self.stats().render(out, &self.labels);
+    }
+}
+
+impl Drop for ContinuousEngine {
+    fn drop(&mut self) {
+        self.shared.gauges.closing.store(true, Ordering::SeqCst);
+        drop(self.queue.take());
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// A request the model thread holds: where its events go, and when it came.
+#[derive(Debug)]
+struct Client {
+    events: mpsc::UnboundedSender<EngineEvent>,
+    arrival: Instant,
+    /// Admitted and not preempted since (counts in the running gauge).
+    running: bool,
+}
+
+fn model_thread<M: BatchModel>(
+    model: &M,
+    tok: &Tokenizer,
+    queue: &std_mpsc::Receiver<Job>,
+    shared: &Shared,
+    config: &ContinuousConfig,
+) {
+    let Ok(mut core) = EngineCore::new(model, tok, config) else {
+        return; // checked in `start`
+    };
+    let mut clients: HashMap<SeqId, Client> = HashMap::new();
+    let mut next_id: SeqId = 0;
+    let gauges = &shared.gauges;
+    loop {
+        // 1. Intake: block only when there is nothing to do.
+        let first = if core.has_work() {
+            None
+        } else {
+            match queue.recv() {
+                Ok(job) => Some(job),
+                Err(_) => return, // the engine is gone
+            }
+        };
+        for job in first
+            .into_iter()
+            .chain(std::iter::from_fn(|| queue.try_recv().ok()))
+        {
+            let id = next_id;
+            next_id += 1;
+            match core.add(id, &job.prompt, &job.params) {
+                Ok(true) => {
+                    clients.insert(
+                        id,
+                        Client {
+                            events: job.events,
+                            arrival: job.arrival,
+                            running: false,
+                        },
+                    );
+                }
+                Ok(false) => {
+                    gauges.waiting.fetch_sub(1, Ordering::SeqCst);
+                    let _ = job.events.send(EngineEvent::Done {
+                        finish: Finish::Length,
+                        prompt_tokens: job.prompt.len(),
+                        completion_tokens: 0,
+                    });
+                }
+                Err(e) => {
+                    gauges.waiting.fetch_sub(1, Ordering::SeqCst);
+                    let err = match e {
+                        AddError::Request(e) => engine_error(e),
+                        AddError::Scheduler(e) => EngineError::InvalidRequest {
+                            message: e.to_string(),
+                            param: Some("max_tokens".into()),
+                        },
+                    };
+                    let _ = job.events.send(EngineEvent::Error(err));
+                }
+            }
+        }
+        // 2. Cancel: clients that left, or everyone when the server is closing.
+        let closing = gauges.is_closing();
+        let gone: Vec<SeqId> = clients
+            .iter()
+            .filter(|(_, c)| closing || c.events.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            if let (Some(c), Some((prompt_tokens, completion_tokens))) =
+                (clients.remove(&id), core.abort(id))
+            {
+                leave(gauges, &c);
+                let _ = c.events.send(EngineEvent::Done {
+                    finish: Finish::Abort,
+                    prompt_tokens,
+                    completion_tokens,
+                });
+            }
+        }
+        // 3. Step.
+        let t0 = Instant::now();
+        let out = core.step();
+        let step_s = t0.elapsed().as_secs_f64();
+        // 4. Stream.
+        update_gauges(gauges, &mut clients, &out);
+        gauges
+            .kv_cache_bytes
+            .store(core.kv_bytes(), Ordering::SeqCst);
+        shared
+            .stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .observe(&out, step_s, core.kv_bytes());
+        stream(tok, gauges, &mut clients, out);
+    }
+}
+
+/// Running and waiting gauges from the step's admissions and preemptions.
+fn update_gauges(gauges: &EngineGauges, clients: &mut HashMap<SeqId, Client>, out: &StepOutput) {
+    for id in &out.plan.admitted {
+        if let Some(c) = clients.get_mut(id) {
+            c.running = true;
+            gauges.waiting.fetch_sub(1, Ordering::SeqCst);
+            gauges.running.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    for id in &out.plan.preempted {
+        if let Some(c) = clients.get_mut(id) {
+            c.running = false;
+            gauges.running.fetch_sub(1, Ordering::SeqCst);
+            gauges.waiting.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// A request leaves the gauges (before its last event, so a client that
+/// reads that event finds them updated).
+fn leave(gauges: &EngineGauges, c: &Client) {
+    if c.running {
+        gauges.running.fetch_sub(1, Ordering::SeqCst);
+    } else {
+        gauges.waiting.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn stream(
+    tok: &Tokenizer,
+    gauges: &EngineGauges,
+    clients: &mut HashMap<SeqId, Client>,
+    out: StepOutput,
+) {
+    for (id, message) in out.failed {
+        if let Some(c) = clients.remove(&id) {
+            leave(gauges, &c);
+            let _ = c
+                .events
+                .send(EngineEvent::Error(EngineError::Internal(message)));
+        }
+    }
+    for o in out.outputs {
+        let Some(c) = clients.get(&o.id) else {
+            continue;
+        };
+        if o.is_token {
+            let _ = c.events.send(EngineEvent::Token(token_out(tok, &o.step)));
+        }
+        if let Some(f) = o.step.finish {
+            let finish = match f {
+                FinishReason::Stop => Finish::Stop,
+                FinishReason::Length => Finish::Length,
+            };
+            if let Some(c) = clients.remove(&o.id) {
+                leave(gauges, &c);
+                gauges.observe_service(c.arrival.elapsed().as_secs_f64());
+                let _ = c.events.send(EngineEvent::Done {
+                    finish,
+                    prompt_tokens: o.prompt_tokens,
+                    completion_tokens: o.completion_tokens,
+                });
+            }
+        }
+    }
+}
