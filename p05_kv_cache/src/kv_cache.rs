@@ -55,11 +55,6 @@ impl KvCache {
         2 * n_layer * n_kv_head * head_dim * max_seq * 4
     }
 
-    /// Bytes one position takes: K and V, every layer and KV head.
-    pub fn bytes_per_position(n_layer: usize, n_kv_head: usize, head_dim: usize) -> usize {
-        Self::formula_bytes(n_layer, n_kv_head, head_dim, 1)
-    }
-
     /// Reallocate for `max_seq` positions (never fewer than `len`), copying
     /// the filled ones: how a contiguous cache grows (and why it wastes room
     /// and copies, which paged blocks avoid). Asking for less than `len`
@@ -206,7 +201,6 @@ mod tests {
         // Shrinking below the filled length keeps the filled length.
         c.grow(1);
         assert_eq!(c.max_seq, 3);
-        assert_eq!(KvCache::bytes_per_position(30, 3, 64), 46_080);
     }
 
     #[test]

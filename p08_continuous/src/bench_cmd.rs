@@ -1,15 +1,188 @@
-//! Placeholder, filled below.
-use anyhow::Result;
+//! `p08_continuous bench-budget`: the step-time model behind the default
+//! token budget. A mixed step carries `d` decode tokens (sequences at
+//! position 256) and one prefill chunk of `c` tokens; its time is close to
+//! linear in c: t(d, c) ≈ t(d, 0) + k_d · c. While a long prompt is being
+//! prefilled, each running stream's inter-token latency is t(d, c) instead
+//! of t(d, 0); keeping that within 2× the steady state bounds the chunk at
+//! c ≤ t(d, 0) / k_d, so the budget is d + that (rounded down to 16).
+//!
+//! The serving comparison is in [`crate::serve_bench`].
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
 use clap::Args;
+use common::batch::{Batch, BatchModel};
+use common::numbers::{command_line, Recorder, Row};
+use common::plot::{line_chart, Labels, Scale, Series};
+use common::stats::{time_it, BenchConfig};
+use p05_kv_cache::kv_cache::KvCache;
+use p05_kv_cache::llama_engine::LlamaEngine;
+
+pub use crate::serve_bench::{serve, ServeArgs};
 
 #[derive(Clone, Debug, Args)]
-pub struct BudgetArgs {}
-#[derive(Clone, Debug, Args)]
-pub struct ServeArgs {}
-
-pub fn budget(_a: &BudgetArgs) -> Result<()> {
-    Ok(())
+pub struct BudgetArgs {
+    /// `smollm2` or a model path.
+    #[arg(long, default_value = "smollm2")]
+    pub model: String,
+    /// Decode tokens in the step (running streams).
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    pub decodes: Vec<usize>,
+    /// Prefill-chunk sizes.
+    #[arg(long, value_delimiter = ',', default_value = "0,16,32,64,128,256,512")]
+    pub chunks: Vec<usize>,
+    /// The streams' position.
+    #[arg(long, default_value_t = 256)]
+    pub pos: usize,
+    /// Timed steps per point (median reported).
+    #[arg(long, default_value_t = 7)]
+    pub samples: usize,
+    /// The allowed slow-down of a running stream's step while a prompt is prefilled.
+    #[arg(long, default_value_t = 2.0)]
+    pub itl_factor: f64,
+    #[arg(long)]
+    pub no_record: bool,
 }
-pub async fn serve(_a: &ServeArgs) -> Result<()> {
+
+pub fn load_model(spec: &str) -> Result<(LlamaEngine, p04_transformer::Tokenizer)> {
+    let path = p06_server::server::resolve_model(spec).map_err(anyhow::Error::msg)?;
+    let loaded = p05_kv_cache::load::load(&path).with_context(|| path.display().to_string())?;
+    let tok = loaded.tokenizer.context("the model has no tokenizer")?;
+    Ok((loaded.engine, tok))
+}
+
+pub fn plots_dir() -> std::path::PathBuf {
+    common::assets::workspace_root().join("p08_continuous/plots")
+}
+
+/// Median seconds of one step with `d` decode tokens at `pos` and a
+/// prefill chunk of `c` tokens starting at position 0.
+pub fn step_time(
+    engine: &LlamaEngine,
+    d: usize,
+    c: usize,
+    pos: usize,
+    samples: usize,
+) -> Result<f64> {
+    let s = engine.kv_shape();
+    let vocab = engine.model.cfg.vocab_size;
+    let mut kv: Vec<KvCache> = (0..d)
+        .map(|_| {
+            let mut kv = KvCache::new(s.n_layer, s.n_kv_head, s.head_dim, pos + 1);
+            kv.len = pos;
+            kv
+        })
+        .collect();
+    let mut b = Batch::new();
+    for i in 0..d {
+        b.push(&[100 + i as u32], pos)?;
+    }
+    if c > 0 {
+        kv.push(KvCache::new(s.n_layer, s.n_kv_head, s.head_dim, c));
+        let chunk: Vec<u32> = (0..c).map(|i| 200 + (i % 1000) as u32).collect();
+        b.push(&chunk, 0)?;
+    }
+    let mut ws = engine.new_workspace();
+    let mut logits = vec![0.0f32; kv.len() * vocab];
+    let mut failed = None;
+    let cfg = BenchConfig {
+        warmup_iters: 1,
+        min_samples: samples,
+        min_time: Duration::ZERO,
+        max_samples: samples,
+    };
+    let t = time_it(cfg, || {
+        let mut refs: Vec<&mut KvCache> = kv.iter_mut().collect();
+        if let Err(e) = engine.forward_batch(&b, &mut refs, &mut ws, &mut logits) {
+            failed = Some(e);
+        }
+        for (i, s) in kv.iter_mut().enumerate() {
+            s.len = if i < d { pos } else { 0 };
+        }
+    });
+    if let Some(e) = failed {
+        return Err(e.into());
+    }
+    Ok(t.median)
+}
+
+/// Least-squares line through (x, y): (intercept, slope).
+fn fit(points: &[(f64, f64)]) -> (f64, f64) {
+    let n = points.len() as f64;
+    let (sx, sy) = points
+        .iter()
+        .fold((0.0, 0.0), |(a, b), (x, y)| (a + x, b + y));
+    let (mx, my) = (sx / n, sy / n);
+    let (sxy, sxx) = points.iter().fold((0.0, 0.0), |(a, b), (x, y)| {
+        (a + (x - mx) * (y - my), b + (x - mx) * (x - mx))
+    });
+    let slope = if sxx > 0.0 { sxy / sxx } else { 0.0 };
+    (my - slope * mx, slope)
+}
+
+pub fn budget(a: &BudgetArgs) -> Result<()> {
+    let (engine, _) = load_model(&a.model)?;
+    println!(
+        "step time (ms) with d decode tokens at position {} and a prefill chunk of c tokens; {} threads",
+        a.pos, engine.model.threads
+    );
+    print!("{:>4}", "d");
+    for c in &a.chunks {
+        print!(" {:>8}", format!("c={c}"));
+    }
+    println!(" {:>9} {:>10} {:>8}", "k ms/tok", "max chunk", "budget");
+    let mut rows = Vec::new();
+    let mut series = Vec::new();
+    for &d in &a.decodes {
+        let mut pts = Vec::new();
+        print!("{d:>4}");
+        for &c in &a.chunks {
+            let t = step_time(&engine, d, c, a.pos, a.samples)?;
+            print!(" {:>8.1}", t * 1e3);
+            pts.push((c as f64, t * 1e3));
+            rows.push(Row::new(
+                format!("p08 step time, {d} decodes + {c}-token chunk"),
+                t * 1e3,
+                "ms",
+            ));
+        }
+        let t0 = pts.iter().find(|p| p.0 == 0.0).map_or(pts[0].1, |p| p.1);
+        let (_, k) = fit(&pts);
+        let max_chunk = (a.itl_factor - 1.0) * t0 / k.max(1e-9);
+        let budget = ((d as f64 + max_chunk) / 16.0).floor() as usize * 16;
+        println!(" {k:>9.3} {max_chunk:>10.0} {budget:>8}");
+        rows.push(Row::new(
+            format!("p08 prefill cost per chunk token beside {d} decodes (fit)"),
+            k,
+            "ms/token",
+        ));
+        rows.push(
+            Row::new(
+                format!(
+                    "p08 token budget for ITL <= {}x steady, {d} streams",
+                    a.itl_factor
+                ),
+                budget as f64,
+                "tokens",
+            )
+            .predicted(format!("d + (factor-1) t(d,0)/k = {d} + {max_chunk:.0}")),
+        );
+        series.push(Series::new(format!("{d} decodes"), pts));
+    }
+    line_chart(
+        &plots_dir().join("step_time_vs_chunk.png"),
+        Labels {
+            title: "SmolLM2 step time vs prefill-chunk size",
+            x: "prefill chunk (tokens)",
+            y: "step time (ms)",
+        },
+        &series,
+        Scale::Linear,
+    )
+    .map_err(anyhow::Error::msg)?;
+    if !a.no_record {
+        Recorder::for_workspace(command_line("p08_continuous")).append(&rows)?;
+    }
     Ok(())
 }

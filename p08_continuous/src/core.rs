@@ -119,8 +119,7 @@ impl<'a, M: BatchModel> EngineCore<'a, M> {
         config: &ContinuousConfig,
     ) -> Result<Self, SchedulerError> {
         let shape = model.kv_shape();
-        let bytes_per_position =
-            KvCache::bytes_per_position(shape.n_layer, shape.n_kv_head, shape.head_dim).max(1);
+        let bytes_per_position = shape.bytes_per_position().max(1);
         let scheduler = Scheduler::new(SchedulerConfig {
             max_num_batched_tokens: config.max_num_batched_tokens,
             max_num_seqs: config.max_num_seqs,

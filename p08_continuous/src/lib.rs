@@ -11,6 +11,7 @@ pub mod bench_cmd;
 pub mod core;
 pub mod engine;
 pub mod scheduler;
+pub mod serve_bench;
 pub mod stats;
 
 pub use crate::core::{ContinuousConfig, EngineCore};

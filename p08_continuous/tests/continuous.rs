@@ -14,7 +14,6 @@ use std::collections::HashMap;
 use common::batch::BatchModel;
 use p04_transformer::Tokenizer;
 use p05_kv_cache::generate::{generate, GenerateParams};
-use p05_kv_cache::kv_cache::KvCache;
 use p05_kv_cache::llama_engine::LlamaEngine;
 use p05_kv_cache::sampling::SamplingParams;
 use p08_continuous::core::StepOutput;
@@ -59,7 +58,7 @@ fn config(budget: usize, seqs: usize, kv_positions: usize) -> ContinuousConfig {
     ContinuousConfig {
         max_num_batched_tokens: budget,
         max_num_seqs: seqs,
-        kv_cache_bytes: kv_positions * KvCache::bytes_per_position(30, 3, 64),
+        kv_cache_bytes: kv_positions * smollm2().engine.kv_shape().bytes_per_position(),
         max_passed_over: 8,
         max_waiting: 64,
     }
@@ -217,7 +216,7 @@ fn preemption_under_a_tiny_kv_budget_changes_no_output() {
 #[test]
 fn requests_that_cannot_fit_even_alone_are_refused() {
     let s = smollm2();
-    let mut core = EngineCore::new(&*s.engine, &*s.tokenizer, &config(64, 4, 100)).unwrap();
+    let mut core = EngineCore::new(&*s.engine, &s.tokenizer, &config(64, 4, 100)).unwrap();
     let e = core.add(0, &[1, 2, 3], &greedy(200)).unwrap_err();
     assert!(e.to_string().contains("K/V positions"), "{e}");
     assert!(!core.has_work());

@@ -213,12 +213,10 @@ fn a_big_request_is_passed_over_a_bounded_number_of_times() {
     }
     assert_eq!(s.used_positions(), 256);
     s.add(1, 250, 260).unwrap(); // the big one: needs 256, fits only once 0 is done
-    let mut next = 2;
     let mut admitted_behind_after_bound = 0;
     let mut passes = 0;
-    for _ in 0..400 {
+    for next in 2..402 {
         s.add(next, 4, 8).unwrap(); // small ones: fit, finish quickly
-        next += 1;
         let p = step(&mut s);
         if p.admitted.contains(&1) {
             break;
@@ -237,8 +235,7 @@ fn a_big_request_is_passed_over_a_bounded_number_of_times() {
     );
     assert_eq!(admitted_behind_after_bound, 0);
     assert!(
-        s.find(1)
-            .map_or(true, |e| e.computed > 0 || e.allocated > 0),
+        s.find(1).is_none_or(|e| e.computed > 0 || e.allocated > 0),
         "it was admitted"
     );
 }
