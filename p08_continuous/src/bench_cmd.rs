@@ -4,7 +4,10 @@
 //! linear in c: t(d, c) ≈ t(d, 0) + k_d · c. While a long prompt is being
 //! prefilled, each running stream's inter-token latency is t(d, c) instead
 //! of t(d, 0); keeping that within 2× the steady state bounds the chunk at
-//! c ≤ t(d, 0) / k_d, so the budget is d + that (rounded down to 16).
+//! c ≤ t(d, 0) / k_d. The scheduler's [`StepCost`] is that model in units of
+//! one prompt token: t(d, c) = k (fixed + decode·d + c), fitted here.
+//!
+//! [`StepCost`]: crate::scheduler::StepCost
 //!
 //! The serving comparison is in [`crate::serve_bench`].
 
@@ -134,6 +137,8 @@ pub fn budget(a: &BudgetArgs) -> Result<()> {
     println!(" {:>9} {:>10} {:>8}", "k ms/tok", "max chunk", "budget");
     let mut rows = Vec::new();
     let mut series = Vec::new();
+    let mut decode_only = Vec::new();
+    let mut ks = Vec::new();
     for &d in &a.decodes {
         let mut pts = Vec::new();
         print!("{d:>4}");
@@ -149,6 +154,8 @@ pub fn budget(a: &BudgetArgs) -> Result<()> {
         }
         let t0 = pts.iter().find(|p| p.0 == 0.0).map_or(pts[0].1, |p| p.1);
         let (_, k) = fit(&pts);
+        decode_only.push((d as f64, t0));
+        ks.push(k);
         let max_chunk = (a.itl_factor - 1.0) * t0 / k.max(1e-9);
         let budget = ((d as f64 + max_chunk) / 16.0).floor() as usize * 16;
         println!(" {k:>9.3} {max_chunk:>10.0} {budget:>8}");
@@ -170,6 +177,35 @@ pub fn budget(a: &BudgetArgs) -> Result<()> {
         );
         series.push(Series::new(format!("{d} decodes"), pts));
     }
+    // The model in prompt-token units: t(d, 0) = a + b d, k = mean slope.
+    let (a0, b) = fit(&decode_only);
+    let k = ks.iter().sum::<f64>() / ks.len().max(1) as f64;
+    let (fixed, decode) = (a0 / k, b / k);
+    println!(
+        "step-time model: t(d, c) = {k:.2} ms x ({fixed:.1} + {decode:.2} d + c)  ->  --step-fixed-tokens {fixed:.1} --step-decode-tokens {decode:.2}"
+    );
+    let cost = crate::scheduler::StepCost {
+        itl_factor: a.itl_factor,
+        fixed_tokens: fixed,
+        decode_tokens: decode,
+    };
+    for &d in &a.decodes {
+        println!(
+            "  with {d} streams decoding: prefill allowance {} tokens per step at itl_factor {}",
+            cost.prefill_allowance(d),
+            a.itl_factor
+        );
+    }
+    rows.push(Row::new(
+        "p08 step cost: fixed part in prompt tokens (fit)",
+        fixed,
+        "tokens",
+    ));
+    rows.push(Row::new(
+        "p08 step cost: one decode token in prompt tokens (fit)",
+        decode,
+        "tokens",
+    ));
     line_chart(
         &plots_dir().join("step_time_vs_chunk.png"),
         Labels {

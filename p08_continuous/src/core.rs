@@ -19,10 +19,10 @@ use p05_kv_cache::generate::{GenerateError, GenerateParams, Sequence, Step};
 use p05_kv_cache::kv_cache::KvCache;
 use thiserror::Error;
 
-use crate::scheduler::{Scheduler, SchedulerConfig, SchedulerError, SeqId, StepPlan};
+use crate::scheduler::{Scheduler, SchedulerConfig, SchedulerError, SeqId, StepCost, StepPlan};
 
 /// The continuous batcher's knobs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ContinuousConfig {
     /// Token budget of one step (decode tokens + prefill chunks).
     pub max_num_batched_tokens: usize,
@@ -35,18 +35,31 @@ pub struct ContinuousConfig {
     pub max_passed_over: usize,
     /// Requests that may wait; more get 429.
     pub max_waiting: usize,
+    /// Cap on prefill tokens while streams decode (None: the budget only).
+    pub step_cost: Option<StepCost>,
 }
+
+/// The step-time model measured by `bench-budget` on a 2-core AVX2 EPYC
+/// (SmolLM2, f32): a step costs as much as ~14 prompt tokens before any
+/// work, and a decode token at position 256 as much as ~1.7 prompt tokens.
+/// These are ratios, so they move less between machines than the times.
+pub const MEASURED_STEP_COST: StepCost = StepCost {
+    itl_factor: 1.8,
+    fixed_tokens: 14.0,
+    decode_tokens: 1.7,
+};
 
 impl Default for ContinuousConfig {
     /// The defaults for SmolLM2-135M on a 2-core CPU; see the README for
     /// the step-time model behind the token budget.
     fn default() -> Self {
         ContinuousConfig {
-            max_num_batched_tokens: 128,
+            max_num_batched_tokens: 512,
             max_num_seqs: 16,
             kv_cache_bytes: 4 << 30,
             max_passed_over: 32,
             max_waiting: 256,
+            step_cost: Some(MEASURED_STEP_COST),
         }
     }
 }
@@ -125,6 +138,7 @@ impl<'a, M: BatchModel> EngineCore<'a, M> {
             max_num_seqs: config.max_num_seqs,
             kv_positions: config.kv_cache_bytes / bytes_per_position,
             max_passed_over: config.max_passed_over,
+            step_cost: config.step_cost,
         })?;
         Ok(EngineCore {
             model,

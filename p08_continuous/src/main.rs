@@ -11,6 +11,8 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use p06_server::server;
+use p08_continuous::core::MEASURED_STEP_COST;
+use p08_continuous::scheduler::StepCost;
 use p08_continuous::{bench_cmd, ContinuousConfig, ContinuousEngine};
 
 #[derive(Debug, Parser)]
@@ -61,6 +63,16 @@ pub struct SchedArgs {
     /// Requests that may wait; more get 429.
     #[arg(long, default_value_t = ContinuousConfig::default().max_waiting)]
     max_waiting: usize,
+    /// While streams decode, cap prefill so a step takes at most this many
+    /// times a decode-only step (0 turns the cap off: the budget only).
+    #[arg(long, default_value_t = MEASURED_STEP_COST.itl_factor)]
+    itl_factor: f64,
+    /// The step-time model (see `bench-budget`): a step's fixed cost, in prompt tokens.
+    #[arg(long, default_value_t = MEASURED_STEP_COST.fixed_tokens)]
+    step_fixed_tokens: f64,
+    /// The step-time model: one decode token's cost, in prompt tokens.
+    #[arg(long, default_value_t = MEASURED_STEP_COST.decode_tokens)]
+    step_decode_tokens: f64,
 }
 
 impl SchedArgs {
@@ -71,6 +83,11 @@ impl SchedArgs {
             kv_cache_bytes: self.kv_cache_mib.saturating_mul(1 << 20),
             max_passed_over: self.max_passed_over,
             max_waiting: self.max_waiting,
+            step_cost: (self.itl_factor > 1.0).then_some(StepCost {
+                itl_factor: self.itl_factor,
+                fixed_tokens: self.step_fixed_tokens,
+                decode_tokens: self.step_decode_tokens,
+            }),
         }
     }
 }

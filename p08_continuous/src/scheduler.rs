@@ -9,7 +9,11 @@
 //!    receiving a token every step, whatever else arrives;
 //! 2. **prefill chunks** of running sequences still reading their prompt
 //!    (oldest first), each cut to what is left of the step's token budget
-//!    (`max_num_batched_tokens`: Sarathi-Serve's chunked prefill);
+//!    (`max_num_batched_tokens`: Sarathi-Serve's chunked prefill). While
+//!    streams are decoding, prefill tokens are further capped by a step-time
+//!    model ([`StepCost`]) so that the step takes at most `itl_factor` times
+//!    a decode-only step: the running streams' inter-token latency stays
+//!    bounded while a long prompt is read;
 //! 3. **admission**: waiting sequences in arrival order, while the sequence
 //!    cap (`max_num_seqs`), the token budget and K/V memory allow. A request
 //!    at the head that does not fit in memory may be passed over by smaller
@@ -35,7 +39,32 @@ pub type SeqId = u64;
 /// Caches grow in multiples of this many positions.
 pub const GRAIN: usize = 16;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A step's time in units of one prefill token's cost: fixed (reading the
+/// weights, launching the work) plus each decode token (its attention over
+/// its whole history makes it dearer than a prompt token). Measured by
+/// `p08_continuous bench-budget`: t(d, c) = k·(fixed_tokens + decode_tokens·d + c).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepCost {
+    /// The allowed slow-down of a decode-only step by prefill work (> 1).
+    pub itl_factor: f64,
+    pub fixed_tokens: f64,
+    pub decode_tokens: f64,
+}
+
+impl StepCost {
+    /// Prefill tokens a step with `decodes` decode tokens may carry:
+    /// (itl_factor − 1) × (fixed + decode × d), at least one.
+    pub fn prefill_allowance(&self, decodes: usize) -> usize {
+        let t = (self.itl_factor - 1.0) * (self.fixed_tokens + self.decode_tokens * decodes as f64);
+        if t.is_finite() {
+            (t.floor() as usize).max(1)
+        } else {
+            usize::MAX
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SchedulerConfig {
     /// Token budget of one step: decode tokens plus prefill chunks.
     pub max_num_batched_tokens: usize,
@@ -47,6 +76,8 @@ pub struct SchedulerConfig {
     /// How many steps a waiting request that does not fit may see later
     /// arrivals admitted ahead of it.
     pub max_passed_over: usize,
+    /// Cap on prefill tokens while streams decode (None: the budget only).
+    pub step_cost: Option<StepCost>,
 }
 
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
@@ -250,8 +281,16 @@ impl Scheduler {
     pub fn schedule(&mut self) -> StepPlan {
         let mut plan = StepPlan::default();
         let mut budget = self.config.max_num_batched_tokens;
-        // 1. and 2.: running sequences, decodes before prefill chunks.
+        // 1. and 2.: running sequences, decodes before prefill chunks. Once
+        // the decodes are in, prefill work is capped by the step-time model.
+        let mut prefill_left = usize::MAX;
         for decodes in [true, false] {
+            if !decodes {
+                prefill_left = match (&self.config.step_cost, plan.seqs.len()) {
+                    (Some(cost), d) if d > 0 => cost.prefill_allowance(d),
+                    _ => usize::MAX,
+                };
+            }
             let ids: Vec<SeqId> = self
                 .running
                 .iter()
@@ -262,12 +301,15 @@ impl Scheduler {
                 let Some(e) = self.running.iter().find(|e| e.id == id) else {
                     continue; // preempted earlier in this step
                 };
-                let n = (e.num_tokens - e.computed).min(budget);
+                let n = (e.num_tokens - e.computed).min(budget).min(prefill_left);
                 if n == 0 {
                     continue;
                 }
                 let (start, total) = (e.computed, e.num_tokens);
                 if let Some(allocated) = self.make_room(id, start + n, &mut plan, &mut budget) {
+                    if !decodes {
+                        prefill_left -= n;
+                    }
                     let samples = start + n == total;
                     plan.seqs.push(Scheduled {
                         id,
@@ -282,7 +324,8 @@ impl Scheduler {
         }
         // 3. admission, unless memory ran short this step.
         if plan.preempted.is_empty() {
-            self.admit(&mut plan, &mut budget);
+            let mut left = budget.min(prefill_left);
+            self.admit(&mut plan, &mut left);
         }
         plan
     }

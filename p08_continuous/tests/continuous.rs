@@ -61,6 +61,7 @@ fn config(budget: usize, seqs: usize, kv_positions: usize) -> ContinuousConfig {
         kv_cache_bytes: kv_positions * smollm2().engine.kv_shape().bytes_per_position(),
         max_passed_over: 8,
         max_waiting: 64,
+        step_cost: None,
     }
 }
 

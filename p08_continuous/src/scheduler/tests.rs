@@ -10,6 +10,7 @@ fn config(budget: usize, seqs: usize, kv_positions: usize) -> SchedulerConfig {
         max_num_seqs: seqs,
         kv_positions,
         max_passed_over: 4,
+        step_cost: None,
     }
 }
 
@@ -238,4 +239,41 @@ fn a_big_request_is_passed_over_a_bounded_number_of_times() {
         s.find(1).is_none_or(|e| e.computed > 0 || e.allocated > 0),
         "it was admitted"
     );
+}
+
+#[test]
+fn the_step_cost_model_caps_prefill_while_streams_decode() {
+    let cost = StepCost {
+        itl_factor: 2.0,
+        fixed_tokens: 14.0,
+        decode_tokens: 1.5,
+    };
+    assert_eq!(cost.prefill_allowance(4), 20); // 1.0 x (14 + 6)
+    let mut s = Scheduler::new(SchedulerConfig {
+        step_cost: Some(cost),
+        ..config(512, 8, 100_000)
+    })
+    .unwrap();
+    // Nobody decodes: the whole budget goes to the prompt.
+    s.add(0, 600, 700).unwrap();
+    let p = step(&mut s);
+    assert_eq!(p.seqs[0].len, 512);
+    let p = step(&mut s);
+    assert_eq!(p.seqs[0].len, 88);
+    // One stream decodes: a new prompt gets 14 + 1.5 tokens per step.
+    s.add(1, 100, 200).unwrap();
+    let p = step(&mut s);
+    assert_eq!(
+        p.seqs.iter().map(|c| (c.id, c.len)).collect::<Vec<_>>(),
+        [(0, 1), (1, 15)]
+    );
+    // A second prompt shares the same allowance, oldest first.
+    s.add(2, 100, 200).unwrap();
+    let p = step(&mut s);
+    assert_eq!(
+        p.seqs.iter().map(|c| (c.id, c.len)).collect::<Vec<_>>(),
+        [(0, 1), (1, 15)]
+    );
+    // More decodes, more room: 14 + 1.5 x 16 = 38.
+    assert_eq!(cost.prefill_allowance(16), 38);
 }
