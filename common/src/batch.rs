@@ -246,6 +246,38 @@ pub trait KvStore: Send + Sync {
     fn bytes(&self) -> usize;
 }
 
+/// A borrowed store is a store: a backend that owns its caches lends them
+/// to a step as `&mut` (p08's contiguous backend does).
+impl<S: KvStore + ?Sized> KvStore for &mut S {
+    fn shape(&self) -> KvShape {
+        (**self).shape()
+    }
+
+    fn len(&self) -> usize {
+        (**self).len()
+    }
+
+    fn capacity(&self) -> usize {
+        (**self).capacity()
+    }
+
+    fn write(&mut self, layer: usize, k_rows: &[f32], v_rows: &[f32], n: usize) {
+        (**self).write(layer, k_rows, v_rows, n);
+    }
+
+    fn advance(&mut self, n: usize) {
+        (**self).advance(n);
+    }
+
+    fn for_each_run(&self, layer: usize, kv_head: usize, upto: usize, f: &mut KvRunFn<'_>) {
+        (**self).for_each_run(layer, kv_head, upto, f);
+    }
+
+    fn bytes(&self) -> usize {
+        (**self).bytes()
+    }
+}
+
 /// A model that runs batched, ragged steps. Its single-sequence
 /// [`Model`] API (`prefill`, `decode`) is a thin adapter over
 /// `forward_batch` with a batch of one; it also gives the model's info and

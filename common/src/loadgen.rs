@@ -211,8 +211,12 @@ pub async fn run(
     if requests.is_empty() {
         return Err(LoadError::Empty);
     }
+    // A fresh connection per request: a pooled keep-alive connection that
+    // the server closes as the next request goes out fails that request
+    // ("error sending request"; seen with llama.cpp's llama-server). A
+    // local connect costs tens of microseconds, the same for every server.
     let http = reqwest::Client::builder()
-        .pool_max_idle_per_host(1024)
+        .pool_max_idle_per_host(0)
         .build()
         .unwrap_or_default();
     for r in warmup {

@@ -44,6 +44,9 @@ pub struct BudgetArgs {
     /// The allowed slow-down of a running stream's step while a prompt is prefilled.
     #[arg(long, default_value_t = 2.0)]
     pub itl_factor: f64,
+    /// Where the late chunk of the attention-cost measurement starts.
+    #[arg(long, default_value_t = 2016)]
+    pub far: usize,
     #[arg(long)]
     pub no_record: bool,
 }
@@ -60,11 +63,12 @@ pub fn plots_dir() -> std::path::PathBuf {
 }
 
 /// Median seconds of one step with `d` decode tokens at `pos` and a
-/// prefill chunk of `c` tokens starting at position 0.
+/// prefill chunk of `c` tokens at positions `chunk_at..chunk_at + c`.
 pub fn step_time(
     engine: &LlamaEngine,
     d: usize,
     c: usize,
+    chunk_at: usize,
     pos: usize,
     samples: usize,
 ) -> Result<f64> {
@@ -82,9 +86,12 @@ pub fn step_time(
         b.push(&[100 + i as u32], pos)?;
     }
     if c > 0 {
-        kv.push(KvCache::new(s.n_layer, s.n_kv_head, s.head_dim, c));
+        // The earlier positions' values do not change the cost.
+        let mut chunk_kv = KvCache::new(s.n_layer, s.n_kv_head, s.head_dim, chunk_at + c);
+        chunk_kv.len = chunk_at;
+        kv.push(chunk_kv);
         let chunk: Vec<u32> = (0..c).map(|i| 200 + (i % 1000) as u32).collect();
-        b.push(&chunk, 0)?;
+        b.push(&chunk, chunk_at)?;
     }
     let mut ws = engine.new_workspace();
     let mut logits = vec![0.0f32; kv.len() * vocab];
@@ -101,7 +108,7 @@ pub fn step_time(
             failed = Some(e);
         }
         for (i, s) in kv.iter_mut().enumerate() {
-            s.len = if i < d { pos } else { 0 };
+            s.len = if i < d { pos } else { chunk_at };
         }
     });
     if let Some(e) = failed {
@@ -143,7 +150,7 @@ pub fn budget(a: &BudgetArgs) -> Result<()> {
         let mut pts = Vec::new();
         print!("{d:>4}");
         for &c in &a.chunks {
-            let t = step_time(&engine, d, c, a.pos, a.samples)?;
+            let t = step_time(&engine, d, c, 0, a.pos, a.samples)?;
             print!(" {:>8.1}", t * 1e3);
             pts.push((c as f64, t * 1e3));
             rows.push(Row::new(
@@ -184,16 +191,39 @@ pub fn budget(a: &BudgetArgs) -> Result<()> {
     println!(
         "step-time model: t(d, c) = {k:.2} ms x ({fixed:.1} + {decode:.2} d + c)  ->  --step-fixed-tokens {fixed:.1} --step-decode-tokens {decode:.2}"
     );
+    // A chunk late in a long prompt pays for its attention over every
+    // earlier key: the same chunk at position `far` vs at 0, beside 4 decodes.
+    let (c, far) = (32, a.far);
+    let near_t = step_time(&engine, 4, c, 0, a.pos, a.samples)? * 1e3;
+    let far_t = step_time(&engine, 4, c, far, a.pos, a.samples)? * 1e3;
+    let extra_per_token = (far_t - near_t) / (c as f64 * k); // prompt-token units
+    let attn_positions = far as f64 / extra_per_token.max(1e-9);
+    println!(
+        "a {c}-token chunk at position {far}: {far_t:.1} ms vs {near_t:.1} at 0 -> attention costs a prompt token's work at position ~{attn_positions:.0}  ->  --step-attn-positions {attn_positions:.0}"
+    );
+    rows.push(Row::new(
+        format!("p08 step time, 4 decodes + {c}-token chunk at position {far}"),
+        far_t,
+        "ms",
+    ));
+    rows.push(Row::new(
+        "p08 step cost: position where a prompt token's attention doubles its cost (fit)",
+        attn_positions,
+        "positions",
+    ));
     let cost = crate::scheduler::StepCost {
         itl_factor: a.itl_factor,
         fixed_tokens: fixed,
         decode_tokens: decode,
+        attn_positions,
     };
     for &d in &a.decodes {
+        let units = cost.prefill_units(d);
         println!(
-            "  with {d} streams decoding: prefill allowance {} tokens per step at itl_factor {}",
-            cost.prefill_allowance(d),
-            a.itl_factor
+            "  {d} streams decoding, itl_factor {}: a chunk of {} tokens at position 0, {} at {far}",
+            a.itl_factor,
+            cost.chunk_tokens(0, units),
+            cost.chunk_tokens(far, units),
         );
     }
     rows.push(Row::new(

@@ -16,10 +16,12 @@ use std::collections::HashMap;
 use common::batch::{Batch, BatchModel};
 use p04_transformer::Tokenizer;
 use p05_kv_cache::generate::{GenerateError, GenerateParams, Sequence, Step};
-use p05_kv_cache::kv_cache::KvCache;
 use thiserror::Error;
 
-use crate::scheduler::{Scheduler, SchedulerConfig, SchedulerError, SeqId, StepCost, StepPlan};
+use crate::kv_backend::{Chunk, ContiguousKv, KvBackend};
+use crate::scheduler::{
+    Scheduler, SchedulerConfig, SchedulerError, SeqId, StepCost, StepPlan, TokenSource,
+};
 
 /// The continuous batcher's knobs.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -47,7 +49,20 @@ pub const MEASURED_STEP_COST: StepCost = StepCost {
     itl_factor: 1.8,
     fixed_tokens: 14.0,
     decode_tokens: 1.7,
+    attn_positions: 3000.0,
 };
+
+impl ContinuousConfig {
+    /// The scheduler's part of the knobs.
+    pub fn scheduler_config(&self) -> SchedulerConfig {
+        SchedulerConfig {
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
+            max_passed_over: self.max_passed_over,
+            step_cost: self.step_cost,
+        }
+    }
+}
 
 impl Default for ContinuousConfig {
     /// The defaults for SmolLM2-135M on a 2-core CPU; see the README for
@@ -97,55 +112,65 @@ pub struct StepOutput {
     pub failed: Vec<(SeqId, String)>,
 }
 
-/// A request the core holds: its generation state and, while running, its K/V.
-#[derive(Debug)]
-struct Request {
-    seq: Sequence,
-    kv: Option<KvCache>,
+/// The requests the core holds: their generation state (their K/V is the
+/// backend's).
+#[derive(Debug, Default)]
+struct Requests(HashMap<SeqId, Sequence>);
+
+impl TokenSource for Requests {
+    fn tokens(&self, id: SeqId) -> &[u32] {
+        self.0.get(&id).map_or(&[], |s| s.history())
+    }
 }
 
-pub struct EngineCore<'a, M: BatchModel> {
+pub struct EngineCore<'a, M: BatchModel, B: KvBackend = ContiguousKv> {
     model: &'a M,
     tok: &'a Tokenizer,
     scheduler: Scheduler,
-    requests: HashMap<SeqId, Request>,
-    bytes_per_position: usize,
+    requests: Requests,
+    kv: B,
     workspace: M::Workspace,
     batch: Batch,
     /// (n_seqs, vocab)
     logits: Vec<f32>,
 }
 
-impl<M: BatchModel> std::fmt::Debug for EngineCore<'_, M> {
+impl<M: BatchModel, B: KvBackend> std::fmt::Debug for EngineCore<'_, M, B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EngineCore")
             .field("scheduler", &self.scheduler)
-            .field("requests", &self.requests.len())
+            .field("requests", &self.requests.0.len())
             .finish_non_exhaustive()
     }
 }
 
-impl<'a, M: BatchModel> EngineCore<'a, M> {
+impl<'a, M: BatchModel> EngineCore<'a, M, ContiguousKv> {
+    /// Project 08's core: contiguous caches within `config.kv_cache_bytes`.
     pub fn new(
         model: &'a M,
         tok: &'a Tokenizer,
         config: &ContinuousConfig,
     ) -> Result<Self, SchedulerError> {
-        let shape = model.kv_shape();
-        let bytes_per_position = shape.bytes_per_position().max(1);
-        let scheduler = Scheduler::new(SchedulerConfig {
-            max_num_batched_tokens: config.max_num_batched_tokens,
-            max_num_seqs: config.max_num_seqs,
-            kv_positions: config.kv_cache_bytes / bytes_per_position,
-            max_passed_over: config.max_passed_over,
-            step_cost: config.step_cost,
-        })?;
+        let kv = ContiguousKv::new(model.kv_shape(), config.kv_cache_bytes);
+        EngineCore::with_backend(model, tok, config, kv)
+    }
+}
+
+impl<'a, M: BatchModel, B: KvBackend> EngineCore<'a, M, B> {
+    /// A core on any K/V backend (Project 09 brings paged blocks).
+    pub fn with_backend(
+        model: &'a M,
+        tok: &'a Tokenizer,
+        config: &ContinuousConfig,
+        kv: B,
+    ) -> Result<Self, SchedulerError> {
+        let scheduler = Scheduler::new(config.scheduler_config())?;
         Ok(EngineCore {
             model,
             tok,
             scheduler,
-            requests: HashMap::new(),
-            bytes_per_position,
+            requests: Requests::default(),
+            kv,
             workspace: model.new_workspace(),
             batch: Batch::new(),
             logits: Vec::new(),
@@ -168,8 +193,9 @@ impl<'a, M: BatchModel> EngineCore<'a, M> {
             id,
             prompt.len(),
             prompt.len().saturating_add(params.max_tokens),
+            self.kv.capacity_positions(),
         )?;
-        self.requests.insert(id, Request { seq, kv: None });
+        self.requests.0.insert(id, seq);
         Ok(true)
     }
 
@@ -177,8 +203,9 @@ impl<'a, M: BatchModel> EngineCore<'a, M> {
     /// token counts if it was held.
     pub fn abort(&mut self, id: SeqId) -> Option<(usize, usize)> {
         self.scheduler.remove(id);
-        let r = self.requests.remove(&id)?;
-        Some((r.seq.prompt_tokens(), r.seq.generated_tokens()))
+        self.kv.free(id);
+        let seq = self.requests.0.remove(&id)?;
+        Some((seq.prompt_tokens(), seq.generated_tokens()))
     }
 
     pub fn has_work(&self) -> bool {
@@ -189,18 +216,19 @@ impl<'a, M: BatchModel> EngineCore<'a, M> {
         &self.scheduler
     }
 
-    /// Bytes of K/V allocated to running sequences (their caches' capacity).
-    pub fn kv_bytes(&self) -> usize {
-        self.requests
-            .values()
-            .filter_map(|r| r.kv.as_ref())
-            .map(KvCache::allocated_bytes)
-            .sum()
+    /// The K/V backend (its own counters: blocks, prefix hits).
+    pub fn kv(&self) -> &B {
+        &self.kv
     }
 
-    /// The K/V budget in bytes (whole positions).
+    /// Bytes of K/V held by running sequences.
+    pub fn kv_bytes(&self) -> usize {
+        self.kv.used_bytes()
+    }
+
+    /// The K/V budget in bytes.
     pub fn kv_capacity_bytes(&self) -> usize {
-        self.scheduler.config().kv_positions * self.bytes_per_position
+        self.kv.capacity_bytes()
     }
 
     /// One iteration: schedule → run → post-process.
@@ -241,82 +269,45 @@ impl<'a, M: BatchModel> EngineCore<'a, M> {
         }
     }
 
-    /// Plan the step and apply its memory decisions: preempted sequences
-    /// lose their K/V; admitted ones get a cache; growing ones a larger one.
+    /// Plan the step; the backend grants memory (and frees the preempted)
+    /// as the scheduler asks.
     fn schedule(&mut self) -> StepPlan {
-        let plan = self.scheduler.schedule();
-        for id in &plan.preempted {
-            if let Some(r) = self.requests.get_mut(id) {
-                r.kv = None;
-            }
-        }
-        let shape = self.model.kv_shape();
-        for s in &plan.seqs {
-            if let Some(r) = self.requests.get_mut(&s.id) {
-                match &mut r.kv {
-                    Some(kv) if kv.max_seq < s.allocated => kv.grow(s.allocated),
-                    Some(_) => {}
-                    None => {
-                        r.kv = Some(KvCache::new(
-                            shape.n_layer,
-                            shape.n_kv_head,
-                            shape.head_dim,
-                            s.allocated,
-                        ))
-                    }
-                }
-            }
-        }
-        plan
+        self.scheduler.schedule(&mut self.kv, &self.requests)
     }
 
     /// One batched, ragged forward over every scheduled chunk: a decode
     /// token, a prompt chunk, or a preempted sequence's recomputation.
     fn run(&mut self, plan: &StepPlan) -> Result<(), String> {
         self.batch.clear();
-        // The caches leave their requests for the step (a move, not a copy).
-        let mut caches: Vec<KvCache> = Vec::with_capacity(plan.seqs.len());
-        let mut result = Ok(());
+        let mut chunks = Vec::with_capacity(plan.seqs.len());
         for s in &plan.seqs {
-            let Some(r) = self.requests.get_mut(&s.id) else {
-                result = Err(format!("sequence {} is scheduled but not held", s.id));
-                break;
-            };
-            let tokens = r.seq.history().get(s.start..s.start + s.len);
-            let (Some(tokens), Some(kv)) = (tokens, r.kv.take()) else {
-                result = Err(format!(
-                    "sequence {} has no tokens or K/V for its chunk",
-                    s.id
-                ));
-                break;
-            };
-            caches.push(kv);
-            if let Err(e) = self.batch.push(tokens, s.start) {
-                result = Err(e.to_string());
-                break;
-            }
+            let tokens = self
+                .requests
+                .0
+                .get(&s.id)
+                .and_then(|seq| seq.history().get(s.start..s.start + s.len))
+                .ok_or_else(|| format!("sequence {} has no tokens for its chunk", s.id))?;
+            self.batch
+                .push(tokens, s.start)
+                .map_err(|e| e.to_string())?;
+            chunks.push(Chunk {
+                id: s.id,
+                start: s.start,
+                len: s.len,
+            });
         }
-        if result.is_ok() {
-            let vocab = self.model.info().vocab_size;
-            self.logits.resize(plan.seqs.len() * vocab, 0.0);
-            let mut stores: Vec<&mut KvCache> = caches.iter_mut().collect();
-            result = self
-                .model
-                .forward_batch(
-                    &self.batch,
-                    &mut stores,
-                    &mut self.workspace,
-                    &mut self.logits,
-                )
-                .map_err(|e| e.to_string());
-        }
-        // Caches go back to their requests, whatever happened.
-        for (s, kv) in plan.seqs.iter().zip(caches) {
-            if let Some(r) = self.requests.get_mut(&s.id) {
-                r.kv = Some(kv);
-            }
-        }
-        result
+        let vocab = self.model.info().vocab_size;
+        self.logits.resize(plan.seqs.len() * vocab, 0.0);
+        let mut stores = self.kv.stores(&chunks)?;
+        let mut refs: Vec<&mut B::Store<'_>> = stores.iter_mut().collect();
+        self.model
+            .forward_batch(
+                &self.batch,
+                &mut refs,
+                &mut self.workspace,
+                &mut self.logits,
+            )
+            .map_err(|e| e.to_string())
     }
 
     /// Sample where a chunk reached the end of its sequence; retire the
@@ -325,23 +316,24 @@ impl<'a, M: BatchModel> EngineCore<'a, M> {
         let vocab = self.model.info().vocab_size;
         let mut outputs = Vec::new();
         for (row, s) in plan.seqs.iter().enumerate() {
-            let Some(r) = self.requests.get_mut(&s.id) else {
+            let Some(seq) = self.requests.0.get_mut(&s.id) else {
                 continue;
             };
+            self.kv.commit(s.id, seq.history(), s.start + s.len);
             if !s.samples {
                 self.scheduler.on_step(s.id, s.len, false);
                 continue;
             }
-            let before = r.seq.generated_tokens();
+            let before = seq.generated_tokens();
             let logits = &mut self.logits[row * vocab..(row + 1) * vocab];
-            let step = r.seq.on_logits(logits, self.tok);
-            let is_token = r.seq.generated_tokens() > before;
+            let step = seq.on_logits(logits, self.tok);
+            let is_token = seq.generated_tokens() > before;
             self.scheduler.on_step(s.id, s.len, is_token);
             let out = SeqOutput {
                 id: s.id,
                 is_token,
-                prompt_tokens: r.seq.prompt_tokens(),
-                completion_tokens: r.seq.generated_tokens(),
+                prompt_tokens: seq.prompt_tokens(),
+                completion_tokens: seq.generated_tokens(),
                 step,
             };
             if out.step.finish.is_some() {

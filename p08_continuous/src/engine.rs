@@ -31,7 +31,8 @@ use p06_server::serial::{engine_error, token_out};
 use tokio::sync::mpsc;
 
 use crate::core::{AddError, ContinuousConfig, EngineCore, StepOutput};
-use crate::scheduler::SeqId;
+use crate::kv_backend::{ContiguousKv, KvBackend};
+use crate::scheduler::{Scheduler, SeqId};
 use crate::stats::StepStats;
 
 /// A request on its way to the model thread.
@@ -62,7 +63,8 @@ pub struct ContinuousEngine {
 }
 
 impl ContinuousEngine {
-    /// Check the configuration and start the model thread.
+    /// Check the configuration and start the model thread, on p08's
+    /// contiguous caches within `config.kv_cache_bytes`.
     pub fn start<M>(
         model: Arc<M>,
         tokenizer: Arc<Tokenizer>,
@@ -72,14 +74,29 @@ impl ContinuousEngine {
     where
         M: BatchModel + 'static,
     {
+        let kv = ContiguousKv::new(model.kv_shape(), config.kv_cache_bytes);
+        ContinuousEngine::start_with_backend(model, tokenizer, name, config, kv)
+    }
+
+    /// The same on any K/V backend (Project 09: paged blocks).
+    pub fn start_with_backend<M, B>(
+        model: Arc<M>,
+        tokenizer: Arc<Tokenizer>,
+        name: &str,
+        config: ContinuousConfig,
+        kv: B,
+    ) -> Result<ContinuousEngine, String>
+    where
+        M: BatchModel + 'static,
+        B: KvBackend + Send + 'static,
+    {
         let config = ContinuousConfig {
             max_waiting: config.max_waiting.max(1),
             ..config
         };
         // Fail here, not on the thread, when the knobs are inconsistent.
-        let capacity = EngineCore::new(&*model, &tokenizer, &config)
-            .map_err(|e| e.to_string())?
-            .kv_capacity_bytes();
+        Scheduler::new(config.scheduler_config()).map_err(|e| e.to_string())?;
+        let capacity = kv.capacity_bytes();
         let input =
             InputProcessor::new(tokenizer.clone(), model.info()).map_err(|e| e.to_string())?;
         let (queue, rx) = std_mpsc::channel();
@@ -93,7 +110,7 @@ impl ContinuousEngine {
             let shared = shared.clone();
             std::thread::Builder::new()
                 .name("model".into())
-                .spawn(move || model_thread(&*model, &tokenizer, &rx, &shared, &config))
+                .spawn(move || model_thread(&*model, &tokenizer, kv, &rx, &shared, &config))
                 .map_err(|e| format!("cannot start the model thread: {e}"))?
         };
         let escaped = name.replace('\\', "\\\\").replace('"', "\\\"");
@@ -191,14 +208,15 @@ struct Client {
     running: bool,
 }
 
-fn model_thread<M: BatchModel>(
+fn model_thread<M: BatchModel, B: KvBackend>(
     model: &M,
     tok: &Tokenizer,
+    kv: B,
     queue: &std_mpsc::Receiver<Job>,
     shared: &Shared,
     config: &ContinuousConfig,
 ) {
-    let Ok(mut core) = EngineCore::new(model, tok, config) else {
+    let Ok(mut core) = EngineCore::with_backend(model, tok, config, kv) else {
         return; // checked in `start`
     };
     let mut clients: HashMap<SeqId, Client> = HashMap::new();
@@ -284,7 +302,7 @@ fn model_thread<M: BatchModel>(
             .stats
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .observe(&out, step_s, core.kv_bytes());
+            .observe(&out, step_s, core.kv_bytes(), core.kv().metrics());
         stream(tok, gauges, &mut clients, out);
     }
 }

@@ -10,6 +10,7 @@
 pub mod bench_cmd;
 pub mod core;
 pub mod engine;
+pub mod kv_backend;
 pub mod scheduler;
 pub mod serve_bench;
 pub mod stats;

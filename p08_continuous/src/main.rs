@@ -73,6 +73,9 @@ pub struct SchedArgs {
     /// The step-time model: one decode token's cost, in prompt tokens.
     #[arg(long, default_value_t = MEASURED_STEP_COST.decode_tokens)]
     step_decode_tokens: f64,
+    /// The step-time model: the position at which a prompt token's attention doubles its cost.
+    #[arg(long, default_value_t = MEASURED_STEP_COST.attn_positions)]
+    step_attn_positions: f64,
 }
 
 impl SchedArgs {
@@ -87,6 +90,7 @@ impl SchedArgs {
                 itl_factor: self.itl_factor,
                 fixed_tokens: self.step_fixed_tokens,
                 decode_tokens: self.step_decode_tokens,
+                attn_positions: self.step_attn_positions,
             }),
         }
     }

@@ -20,46 +20,115 @@
 //!    ones behind it, but at most `max_passed_over` times; after that nobody
 //!    goes ahead of it (it waits only for running sequences to free memory).
 //!
-//! Memory is a byte budget of contiguous K/V caches: a sequence is admitted
-//! with room for its known tokens (+1), and its cache grows by doubling
-//! (copying, as a contiguous buffer must; Project 09's pages avoid both).
-//! When a growth does not fit, the running sequence that has computed the
-//! fewest tokens (the least work lost) is **preempted**: its K/V is freed and
-//! it returns to the waiting queue, to be recomputed from its prompt and the
-//! tokens it already sampled, so its output does not change. No sequence is
-//! admitted in a step that preempted one.
+//! Memory is asked of a [`KvAllocator`] (Project 08: contiguous caches in a
+//! byte budget, growing by doubling; Project 09: paged blocks with a prefix
+//! cache, whose hits make an admitted sequence start with tokens already
+//! computed). When a sequence cannot grow, the running sequence that has
+//! computed the fewest tokens (the least work lost) is **preempted**: its
+//! K/V is freed and it returns to the waiting queue, to be recomputed from
+//! its prompt and the tokens it already sampled, so its output does not
+//! change. No sequence is admitted in a step that preempted one.
 
 use std::collections::VecDeque;
 
 use thiserror::Error;
 
+use crate::kv_backend::KvAllocator;
+
 /// A sequence's id, chosen by the caller.
 pub type SeqId = u64;
 
-/// Caches grow in multiples of this many positions.
-pub const GRAIN: usize = 16;
+/// Where the scheduler reads a sequence's known tokens (an allocator with
+/// a prefix cache hashes them at admission).
+pub trait TokenSource {
+    /// At least the sequence's `num_tokens` known tokens.
+    fn tokens(&self, id: SeqId) -> &[u32];
+}
 
-/// A step's time in units of one prefill token's cost: fixed (reading the
-/// weights, launching the work) plus each decode token (its attention over
-/// its whole history makes it dearer than a prompt token). Measured by
-/// `p08_continuous bench-budget`: t(d, c) = k·(fixed_tokens + decode_tokens·d + c).
+/// A step's time in units of one prompt token's cost (at position 0):
+/// fixed (reading the weights, starting the work) plus each decode token
+/// (its attention over its history makes it dearer than a prompt token),
+/// plus each prompt token, which costs more the later its position (its
+/// attention reads every earlier key). Measured by `p08_continuous
+/// bench-budget`: t(d, chunk) = k·(fixed_tokens + decode_tokens·d + Σ_p (1 + p / attn_positions)).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepCost {
     /// The allowed slow-down of a decode-only step by prefill work (> 1).
     pub itl_factor: f64,
     pub fixed_tokens: f64,
     pub decode_tokens: f64,
+    /// The position at which a prompt token's attention costs as much as
+    /// the rest of its work.
+    pub attn_positions: f64,
 }
 
 impl StepCost {
-    /// Prefill tokens a step with `decodes` decode tokens may carry:
-    /// (itl_factor − 1) × (fixed + decode × d), at least one.
-    pub fn prefill_allowance(&self, decodes: usize) -> usize {
-        let t = (self.itl_factor - 1.0) * (self.fixed_tokens + self.decode_tokens * decodes as f64);
-        if t.is_finite() {
-            (t.floor() as usize).max(1)
+    /// Prefill work (in prompt-token units) a step with `decodes` decode
+    /// tokens may carry: (itl_factor − 1) × (fixed + decode × d).
+    pub fn prefill_units(&self, decodes: usize) -> f64 {
+        (self.itl_factor - 1.0) * (self.fixed_tokens + self.decode_tokens * decodes as f64)
+    }
+
+    /// Units of a chunk of `n` prompt tokens at positions `start..start + n`.
+    pub fn chunk_units(&self, start: usize, n: usize) -> f64 {
+        let (s, n) = (start as f64, n as f64);
+        n + (n * s + n * (n - 1.0) / 2.0) / self.attn_positions
+    }
+
+    /// The longest chunk from `start` that fits in `units` (may be 0).
+    pub fn chunk_tokens(&self, start: usize, units: f64) -> usize {
+        // n²/(2A) + n (1 + (start − ½)/A) − units = 0, positive root.
+        let a = 0.5 / self.attn_positions;
+        let b = 1.0 + (start as f64 - 0.5) / self.attn_positions;
+        let units = units.max(0.0);
+        let n = if a > 0.0 {
+            (-b + (b * b + 4.0 * a * units).sqrt()) / (2.0 * a)
         } else {
-            usize::MAX
+            units / b
+        };
+        if n.is_finite() && n > 0.0 {
+            n.floor() as usize
+        } else {
+            0
+        }
+    }
+}
+
+/// What is left of a step's prefill allowance.
+#[derive(Clone, Copy, Debug)]
+struct PrefillCap {
+    cost: Option<StepCost>,
+    units: f64,
+    /// Some prefill was taken this step.
+    taken: bool,
+}
+
+impl PrefillCap {
+    fn new(cost: Option<StepCost>, units: f64) -> PrefillCap {
+        PrefillCap {
+            cost,
+            units,
+            taken: false,
+        }
+    }
+
+    /// How many of `want` tokens from `start` fit (charged when taken).
+    /// The first chunk of a step gets at least one token, so prefill
+    /// always moves.
+    fn fit(&self, start: usize, want: usize) -> usize {
+        match self.cost {
+            Some(c) => {
+                let n = c.chunk_tokens(start, self.units);
+                want.min(if self.taken { n } else { n.max(1) })
+            }
+            None => want,
+        }
+    }
+
+    fn take(&mut self, start: usize, n: usize) {
+        self.taken = true;
+        if let Some(c) = self.cost {
+            self.units -= c.chunk_units(start, n);
         }
     }
 }
@@ -70,9 +139,6 @@ pub struct SchedulerConfig {
     pub max_num_batched_tokens: usize,
     /// Most sequences running at once.
     pub max_num_seqs: usize,
-    /// K/V memory for every running sequence, in positions (bytes divided
-    /// by the bytes one position takes).
-    pub kv_positions: usize,
     /// How many steps a waiting request that does not fit may see later
     /// arrivals admitted ahead of it.
     pub max_passed_over: usize,
@@ -94,6 +160,8 @@ pub enum SchedulerError {
     },
     #[error("sequence {0} is already scheduled")]
     Duplicate(SeqId),
+    #[error("sequence {0} has no tokens")]
+    Empty(SeqId),
 }
 
 impl SchedulerConfig {
@@ -123,21 +191,20 @@ pub struct Entry {
     pub computed: usize,
     /// The most positions it can ever need: prompt + max_tokens.
     pub max_len: usize,
-    /// K/V positions allocated to it (0 while waiting).
-    pub allocated: usize,
     /// Steps in which a later arrival was admitted while it could not be.
     pub passed_over: usize,
     pub preemptions: usize,
 }
 
 /// One sequence's part of a step: tokens `start..start + len` of its
-/// history, with K/V room for `allocated` positions.
+/// history (the K/V memory has made those positions writable).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Scheduled {
     pub id: SeqId,
     pub start: usize,
     pub len: usize,
-    pub allocated: usize,
+    /// A running stream's one decode token (not a prompt chunk).
+    pub decode: bool,
     /// The chunk ends at the last known token: sample from its logits.
     pub samples: bool,
 }
@@ -191,19 +258,24 @@ impl Scheduler {
     }
 
     /// Queue a sequence of `num_tokens` prompt tokens that may grow to
-    /// `max_len`. Refused when even alone it could not fit in memory.
+    /// `max_len` positions. Refused when even alone it could not fit in
+    /// `capacity` positions of K/V memory.
     pub fn add(
         &mut self,
         id: SeqId,
         num_tokens: usize,
         max_len: usize,
+        capacity: usize,
     ) -> Result<(), SchedulerError> {
         let max_len = max_len.max(num_tokens);
-        if max_len > self.config.kv_positions {
+        if num_tokens == 0 {
+            return Err(SchedulerError::Empty(id));
+        }
+        if max_len > capacity {
             return Err(SchedulerError::TooLong {
                 id,
                 needs: max_len,
-                capacity: self.config.kv_positions,
+                capacity,
             });
         }
         if self.find(id).is_some() {
@@ -215,7 +287,6 @@ impl Scheduler {
             num_tokens,
             computed: 0,
             max_len,
-            allocated: 0,
             passed_over: 0,
             preemptions: 0,
         });
@@ -223,7 +294,7 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Forget a sequence (finished or cancelled), freeing its memory.
+    /// Forget a sequence (finished or cancelled); the caller frees its memory.
     pub fn remove(&mut self, id: SeqId) -> Option<Entry> {
         if let Some(i) = self.running.iter().position(|e| e.id == id) {
             return Some(self.running.remove(i));
@@ -266,30 +337,25 @@ impl Scheduler {
         self.preemptions
     }
 
-    /// K/V positions allocated to running sequences.
-    pub fn used_positions(&self) -> usize {
-        self.running.iter().map(|e| e.allocated).sum()
-    }
-
-    fn free_positions(&self) -> usize {
-        self.config
-            .kv_positions
-            .saturating_sub(self.used_positions())
-    }
-
-    /// Plan the next step (see the module comment for the policy).
-    pub fn schedule(&mut self) -> StepPlan {
+    /// Plan the next step (see the module comment for the policy), asking
+    /// `kv` for memory; `tokens` gives each sequence's known tokens.
+    pub fn schedule<A, T>(&mut self, kv: &mut A, tokens: &T) -> StepPlan
+    where
+        A: KvAllocator + ?Sized,
+        T: TokenSource + ?Sized,
+    {
         let mut plan = StepPlan::default();
         let mut budget = self.config.max_num_batched_tokens;
+        let mut cap = PrefillCap::new(None, f64::INFINITY);
         // 1. and 2.: running sequences, decodes before prefill chunks. Once
         // the decodes are in, prefill work is capped by the step-time model.
-        let mut prefill_left = usize::MAX;
         for decodes in [true, false] {
             if !decodes {
-                prefill_left = match (&self.config.step_cost, plan.seqs.len()) {
-                    (Some(cost), d) if d > 0 => cost.prefill_allowance(d),
-                    _ => usize::MAX,
-                };
+                if let (Some(cost), d) = (self.config.step_cost, plan.seqs.len()) {
+                    if d > 0 {
+                        cap = PrefillCap::new(Some(cost), cost.prefill_units(d));
+                    }
+                }
             }
             let ids: Vec<SeqId> = self
                 .running
@@ -301,22 +367,22 @@ impl Scheduler {
                 let Some(e) = self.running.iter().find(|e| e.id == id) else {
                     continue; // preempted earlier in this step
                 };
-                let n = (e.num_tokens - e.computed).min(budget).min(prefill_left);
+                let (start, total, max_len) = (e.computed, e.num_tokens, e.max_len);
+                let want = (total - start).min(budget);
+                let n = if decodes { want } else { cap.fit(start, want) };
                 if n == 0 {
                     continue;
                 }
-                let (start, total) = (e.computed, e.num_tokens);
-                if let Some(allocated) = self.make_room(id, start + n, &mut plan, &mut budget) {
+                if self.make_room(kv, id, start, start + n, max_len, &mut plan, &mut budget) {
                     if !decodes {
-                        prefill_left -= n;
+                        cap.take(start, n);
                     }
-                    let samples = start + n == total;
                     plan.seqs.push(Scheduled {
                         id,
                         start,
                         len: n,
-                        allocated,
-                        samples,
+                        decode: decodes,
+                        samples: start + n == total,
                     });
                     budget -= n;
                 }
@@ -324,61 +390,63 @@ impl Scheduler {
         }
         // 3. admission, unless memory ran short this step.
         if plan.preempted.is_empty() {
-            let mut left = budget.min(prefill_left);
-            self.admit(&mut plan, &mut left);
+            self.admit(kv, tokens, &mut plan, &mut budget, &mut cap);
         }
         plan
     }
 
-    /// Give running sequence `id` room for `needed` positions, growing its
-    /// cache (doubling, else exactly) or preempting others. Returns its new
-    /// allocation, or None when it was itself the cheapest to preempt.
-    fn make_room(
+    /// Make positions `start..end` of running sequence `id` writable,
+    /// preempting others while memory is short. False when `id` was itself
+    /// the cheapest to preempt.
+    #[allow(clippy::too_many_arguments)]
+    fn make_room<A: KvAllocator + ?Sized>(
         &mut self,
+        kv: &mut A,
         id: SeqId,
-        needed: usize,
+        start: usize,
+        end: usize,
+        max_len: usize,
         plan: &mut StepPlan,
         budget: &mut usize,
-    ) -> Option<usize> {
+    ) -> bool {
         loop {
-            let free = self.free_positions();
-            let e = self.running.iter_mut().find(|e| e.id == id)?;
-            if needed <= e.allocated {
-                return Some(e.allocated);
-            }
-            let exact = round_up(needed).min(e.max_len).max(needed);
-            let doubled = (2 * e.allocated).min(e.max_len).max(exact);
-            for target in [doubled, exact] {
-                if target - e.allocated <= free {
-                    e.allocated = target;
-                    return Some(target);
-                }
+            if kv.grow(id, start, end, max_len) {
+                return true;
             }
             // Memory is short: preempt the sequence that loses the least
             // work (fewest computed tokens; the latest admitted on a tie).
-            let victim = self
+            let Some(victim) = self
                 .running
                 .iter()
                 .enumerate()
                 .min_by_key(|(i, e)| (e.computed, std::cmp::Reverse(*i)))
-                .map(|(_, e)| e.id)?;
-            self.preempt(victim, plan, budget);
+                .map(|(_, e)| e.id)
+            else {
+                return false;
+            };
+            self.preempt(kv, victim, plan, budget);
             if victim == id {
-                return None;
+                return false;
             }
         }
     }
 
-    fn preempt(&mut self, id: SeqId, plan: &mut StepPlan, budget: &mut usize) {
+    fn preempt<A: KvAllocator + ?Sized>(
+        &mut self,
+        kv: &mut A,
+        id: SeqId,
+        plan: &mut StepPlan,
+        budget: &mut usize,
+    ) {
         let Some(i) = self.running.iter().position(|e| e.id == id) else {
             return;
         };
         let mut e = self.running.remove(i);
+        kv.free(id);
         if let Some(k) = plan.seqs.iter().position(|s| s.id == id) {
             *budget += plan.seqs.remove(k).len;
         }
         e.computed = 0;
-        e.allocated = 0;
         e.preemptions += 1;
         self.preemptions += 1;
         plan.preempted.push(id);
@@ -387,7 +455,17 @@ impl Scheduler {
     }
 
     /// Admit waiting sequences in arrival order (step 3).
-    fn admit(&mut self, plan: &mut StepPlan, budget: &mut usize) {
+    fn admit<A, T>(
+        &mut self,
+        kv: &mut A,
+        tokens: &T,
+        plan: &mut StepPlan,
+        budget: &mut usize,
+        cap: &mut PrefillCap,
+    ) where
+        A: KvAllocator + ?Sized,
+        T: TokenSource + ?Sized,
+    {
         // Waiting sequences that did not fit, and whether a later one got in.
         let mut skipped: Vec<(SeqId, bool)> = Vec::new();
         let mut k = 0;
@@ -396,29 +474,42 @@ impl Scheduler {
                 break;
             }
             let e = &self.waiting[k];
-            // Room for the known tokens and the first decode.
-            let need = round_up(e.num_tokens + 1).min(e.max_len).max(e.num_tokens);
-            if need > self.free_positions() {
-                if e.passed_over >= self.config.max_passed_over {
-                    break; // its bound is reached: nobody goes ahead of it
-                }
-                skipped.push((e.id, false));
-                k += 1;
+            let (id, num_tokens, max_len) = (e.id, e.num_tokens, e.max_len);
+            let Some(known) = tokens.tokens(id).get(..num_tokens) else {
+                k += 1; // its tokens are not there (a caller's bug): leave it
                 continue;
+            };
+            // Memory for the known tokens (a prefix cache may hold some;
+            // the last token is always computed, for its logits).
+            let cached = match kv.admit(id, known, max_len) {
+                Some(c) => c.min(num_tokens - 1),
+                None => {
+                    if e.passed_over >= self.config.max_passed_over {
+                        break; // its bound is reached: nobody goes ahead of it
+                    }
+                    skipped.push((id, false));
+                    k += 1;
+                    continue;
+                }
+            };
+            let n = cap.fit(cached, (num_tokens - cached).min(*budget));
+            if n == 0 {
+                kv.free(id);
+                break; // the prefill allowance is spent: for everyone
             }
             let Some(mut e) = self.waiting.remove(k) else {
                 break;
             };
-            let n = e.num_tokens.min(*budget);
-            e.allocated = need;
+            cap.take(cached, n);
+            e.computed = cached;
             plan.seqs.push(Scheduled {
-                id: e.id,
-                start: 0,
+                id,
+                start: cached,
                 len: n,
-                allocated: need,
-                samples: n == e.num_tokens,
+                decode: false,
+                samples: cached + n == num_tokens,
             });
-            plan.admitted.push(e.id);
+            plan.admitted.push(id);
             *budget -= n;
             self.running.push(e);
             for s in &mut skipped {
@@ -433,10 +524,6 @@ impl Scheduler {
             }
         }
     }
-}
-
-fn round_up(n: usize) -> usize {
-    n.div_ceil(GRAIN) * GRAIN
 }
 
 #[cfg(test)]

@@ -108,7 +108,7 @@ async fn start(e: &Engines, name: &str, a: &ServeArgs) -> Result<System> {
             .map_err(anyhow::Error::msg)?,
         ),
         "llama.cpp" => return start_peer(a).await,
-        other => bail!("unknown system {other:?} (serial, p07, p08, llama.cpp)"),
+        other => bail!("unknown system {other:?} (serial, p07, p08, p08-budget, llama.cpp)"),
     };
     Ok(System {
         url: spawn_server(engine).await?,
@@ -117,13 +117,16 @@ async fn start(e: &Engines, name: &str, a: &ServeArgs) -> Result<System> {
 }
 
 async fn start_peer(a: &ServeArgs) -> Result<System> {
-    let script = common::assets::workspace_root().join("scripts/run_llamacpp_native.sh");
+    let root = common::assets::workspace_root();
+    let script = root.join("scripts/run_llamacpp_native.sh");
+    let log_path = root.join("target/llamacpp_server.log");
+    let log = std::fs::File::create(&log_path).with_context(|| log_path.display().to_string())?;
     let child = Command::new("bash")
         .arg(&script)
         .arg(a.peer_port.to_string())
         .arg(a.peer_parallel.to_string())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(Stdio::from(log))
         .spawn()
         .with_context(|| format!("starting {}", script.display()))?;
     let sys = System {

@@ -9,6 +9,7 @@ use std::fmt::Write;
 use p06_server::metrics::Histogram;
 
 use crate::core::StepOutput;
+use crate::kv_backend::KvMetric;
 
 const TOKEN_BUCKETS: &[f64] = &[
     1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0,
@@ -30,6 +31,8 @@ pub struct StepStats {
     pub preemptions: u64,
     pub kv_cache_bytes: usize,
     pub kv_capacity_bytes: usize,
+    /// The K/V backend's own metrics, as of the last step.
+    pub kv_metrics: Vec<KvMetric>,
 }
 
 impl Default for StepStats {
@@ -43,14 +46,22 @@ impl Default for StepStats {
             preemptions: 0,
             kv_cache_bytes: 0,
             kv_capacity_bytes: 0,
+            kv_metrics: Vec::new(),
         }
     }
 }
 
 impl StepStats {
-    pub fn observe(&mut self, out: &StepOutput, step_s: f64, kv_cache_bytes: usize) {
+    pub fn observe(
+        &mut self,
+        out: &StepOutput,
+        step_s: f64,
+        kv_cache_bytes: usize,
+        kv_metrics: Vec<KvMetric>,
+    ) {
         self.preemptions += out.plan.preempted.len() as u64;
         self.kv_cache_bytes = kv_cache_bytes;
+        self.kv_metrics = kv_metrics;
         if out.plan.is_empty() {
             return;
         }
@@ -58,7 +69,7 @@ impl StepStats {
         self.iteration_tokens.observe(out.plan.num_tokens() as f64);
         self.step_seconds.observe(step_s);
         for s in &out.plan.seqs {
-            if s.len == 1 && s.start > 0 {
+            if s.decode {
                 self.decode_tokens += 1;
             } else {
                 self.prefill_tokens += s.len as u64;
@@ -104,6 +115,14 @@ impl StepStats {
         ] {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
             let _ = writeln!(out, "{name}{{{labels}}} {v}");
+        }
+        for m in &self.kv_metrics {
+            let _ = writeln!(
+                out,
+                "# HELP {} {}\n# TYPE {} {}",
+                m.name, m.help, m.name, m.kind
+            );
+            let _ = writeln!(out, "{}{{{labels}}} {}", m.name, m.value);
         }
         let name = "vllm:kv_cache_usage_perc";
         let _ = writeln!(

@@ -221,8 +221,7 @@ fn requests_that_cannot_fit_even_alone_are_refused() {
     let e = core.add(0, &[1, 2, 3], &greedy(200)).unwrap_err();
     assert!(e.to_string().contains("K/V positions"), "{e}");
     assert!(!core.has_work());
-    // The engine's workspace check: a model's K/V shape is what the
-    // budget was divided by.
+    // 100 positions of SmolLM2's K/V shape: what the budget was divided by.
     let shape = s.engine.kv_shape();
     assert_eq!(
         (shape.n_layer, shape.n_kv_head, shape.head_dim),

@@ -3,12 +3,45 @@
 //! the end of a sequence.
 
 use super::*;
+use crate::kv_backend::ContiguousAllocator;
 
-fn config(budget: usize, seqs: usize, kv_positions: usize) -> SchedulerConfig {
+/// A scheduler with contiguous-cache accounting; token ids do not matter
+/// to it, so every sequence's tokens are zeros.
+struct Sim {
+    s: Scheduler,
+    kv: ContiguousAllocator,
+}
+
+struct Zeros(Vec<u32>);
+
+impl TokenSource for Zeros {
+    fn tokens(&self, _: SeqId) -> &[u32] {
+        &self.0
+    }
+}
+
+impl Sim {
+    fn add(&mut self, id: SeqId, num_tokens: usize, max_len: usize) -> Result<(), SchedulerError> {
+        self.s
+            .add(id, num_tokens, max_len, self.kv.capacity_positions())
+    }
+
+    fn find(&self, id: SeqId) -> Option<&Entry> {
+        self.s.find(id)
+    }
+}
+
+fn sim(budget: usize, seqs: usize, kv_positions: usize) -> Sim {
+    Sim {
+        s: Scheduler::new(config(budget, seqs)).unwrap(),
+        kv: ContiguousAllocator::new(kv_positions),
+    }
+}
+
+fn config(budget: usize, seqs: usize) -> SchedulerConfig {
     SchedulerConfig {
         max_num_batched_tokens: budget,
         max_num_seqs: seqs,
-        kv_positions,
         max_passed_over: 4,
         step_cost: None,
     }
@@ -16,14 +49,16 @@ fn config(budget: usize, seqs: usize, kv_positions: usize) -> SchedulerConfig {
 
 /// Run one planned step; sequences that reach `max_len` tokens finish.
 /// Returns the plan.
-fn step(s: &mut Scheduler) -> StepPlan {
-    let plan = s.schedule();
-    check_plan(s, &plan);
+fn step(sim: &mut Sim) -> StepPlan {
+    let zeros = Zeros(vec![0; 100_000]);
+    let plan = sim.s.schedule(&mut sim.kv, &zeros);
+    check_plan(sim, &plan);
     for sc in &plan.seqs {
-        s.on_step(sc.id, sc.len, sc.samples);
-        let e = s.find(sc.id).unwrap().clone();
+        sim.s.on_step(sc.id, sc.len, sc.samples);
+        let e = sim.s.find(sc.id).unwrap().clone();
         if sc.samples && e.num_tokens >= e.max_len {
-            s.remove(sc.id);
+            sim.s.remove(sc.id);
+            sim.kv.free(sc.id);
         }
     }
     plan
@@ -31,43 +66,54 @@ fn step(s: &mut Scheduler) -> StepPlan {
 
 /// Invariants of every plan: within the token budget and the sequence cap,
 /// memory within the budget, each sequence once, chunks contiguous.
-fn check_plan(s: &Scheduler, plan: &StepPlan) {
-    let c = s.config();
+fn check_plan(sim: &Sim, plan: &StepPlan) {
+    let c = sim.s.config();
     assert!(plan.num_tokens() <= c.max_num_batched_tokens, "{plan:?}");
     assert!(plan.seqs.len() <= c.max_num_seqs);
-    assert!(s.used_positions() <= c.kv_positions);
+    assert!(sim.kv.used() <= sim.kv.capacity_positions());
     for (i, a) in plan.seqs.iter().enumerate() {
         assert!(a.len > 0);
         assert!(plan.seqs[i + 1..].iter().all(|b| b.id != a.id), "{plan:?}");
-        let e = s.find(a.id).unwrap();
+        let e = sim.s.find(a.id).unwrap();
         assert_eq!(a.start, e.computed, "chunks start where the K/V ends");
-        assert!(a.start + a.len <= e.allocated);
+        assert!(a.start + a.len <= sim.kv.allocated(a.id));
         assert_eq!(a.samples, a.start + a.len == e.num_tokens);
+        if a.decode {
+            assert!(a.len == 1 && e.num_tokens - e.computed == 1, "{a:?}");
+        }
+    }
+    for id in &plan.preempted {
+        assert_eq!(
+            sim.kv.allocated(*id),
+            0,
+            "a preempted sequence holds nothing"
+        );
     }
 }
 
 #[test]
 fn config_is_checked() {
     assert_eq!(
-        Scheduler::new(config(4, 8, 100)).unwrap_err(),
+        Scheduler::new(config(4, 8)).unwrap_err(),
         SchedulerError::BudgetBelowSeqs { tokens: 4, seqs: 8 }
     );
     assert_eq!(
-        Scheduler::new(config(4, 0, 100)).unwrap_err(),
+        Scheduler::new(config(4, 0)).unwrap_err(),
         SchedulerError::NoSeqs
     );
-    let mut s = Scheduler::new(config(64, 4, 100)).unwrap();
+    let mut s = sim(64, 4, 100);
     assert!(matches!(
         s.add(1, 50, 101),
         Err(SchedulerError::TooLong { .. })
     ));
+    assert_eq!(s.add(2, 0, 10), Err(SchedulerError::Empty(2)));
     s.add(1, 50, 100).unwrap();
     assert_eq!(s.add(1, 5, 10), Err(SchedulerError::Duplicate(1)));
 }
 
 #[test]
 fn a_long_prompt_is_chunked_to_the_budget_and_samples_only_at_its_end() {
-    let mut s = Scheduler::new(config(32, 4, 1000)).unwrap();
+    let mut s = sim(32, 4, 1000);
     s.add(7, 100, 110).unwrap();
     let mut chunks = Vec::new();
     for _ in 0..4 {
@@ -91,7 +137,7 @@ fn a_long_prompt_is_chunked_to_the_budget_and_samples_only_at_its_end() {
 
 #[test]
 fn running_streams_decode_every_step_while_a_long_prompt_is_prefilled() {
-    let mut s = Scheduler::new(config(64, 8, 100_000)).unwrap();
+    let mut s = sim(64, 8, 100_000);
     for id in 0..4 {
         s.add(id, 10, 10_000).unwrap();
     }
@@ -126,13 +172,13 @@ fn running_streams_decode_every_step_while_a_long_prompt_is_prefilled() {
 
 #[test]
 fn the_sequence_cap_holds_and_freed_slots_are_filled_next_step() {
-    let mut s = Scheduler::new(config(64, 2, 10_000)).unwrap();
+    let mut s = sim(64, 2, 10_000);
     s.add(0, 4, 6).unwrap(); // finishes after 2 samples
     s.add(1, 4, 100).unwrap();
     s.add(2, 4, 100).unwrap();
     let p = step(&mut s);
     assert_eq!(p.admitted, [0, 1]);
-    assert_eq!(s.num_waiting(), 1);
+    assert_eq!(s.s.num_waiting(), 1);
     step(&mut s); // 0 samples its second token and finishes
     assert!(s.find(0).is_none());
     let p = step(&mut s);
@@ -143,7 +189,7 @@ fn the_sequence_cap_holds_and_freed_slots_are_filled_next_step() {
 fn memory_shortage_preempts_the_least_computed_and_it_recomputes_everything() {
     // 96 positions: two sequences of 40-token prompts fit (48 each), but
     // not their growth.
-    let mut s = Scheduler::new(config(128, 4, 96)).unwrap();
+    let mut s = sim(128, 4, 96);
     s.add(0, 40, 90).unwrap();
     step(&mut s);
     s.add(1, 40, 90).unwrap();
@@ -166,9 +212,9 @@ fn memory_shortage_preempts_the_least_computed_and_it_recomputes_everything() {
         "no admission in a step that preempted"
     );
     let e = s.find(1).unwrap().clone();
-    assert_eq!((e.computed, e.allocated, e.preemptions), (0, 0, 1));
+    assert_eq!((e.computed, s.kv.allocated(1), e.preemptions), (0, 0, 1));
     assert!(e.num_tokens > 40, "it keeps its sampled tokens");
-    assert_eq!(s.preemptions(), 1);
+    assert_eq!(s.s.preemptions(), 1);
     // Once 0 finishes, 1 comes back and recomputes prompt + sampled tokens at once.
     for _ in 0..100 {
         let p = step(&mut s);
@@ -184,12 +230,13 @@ fn memory_shortage_preempts_the_least_computed_and_it_recomputes_everything() {
 
 #[test]
 fn a_sequence_that_is_itself_the_cheapest_victim_preempts_itself() {
-    let mut s = Scheduler::new(config(128, 4, 64)).unwrap();
+    let mut s = sim(128, 4, 64);
     s.add(0, 30, 64).unwrap();
     s.add(1, 2, 64).unwrap();
-    step(&mut s); // 0: 32 positions, 1: 16
-                  // 1 decodes to 16 positions, then asks for 32 while 0 holds 32 and
-                  // has computed more: it preempts itself.
+    // Admitted with 32 and 16 positions. 0 grows to 48 (exactly: doubling
+    // does not fit), leaving nothing free; 1 then asks for a 17th position
+    // while 0 has computed more: 1 is the cheapest victim, itself.
+    step(&mut s);
     for _ in 0..40 {
         let p = step(&mut s);
         if !p.preempted.is_empty() {
@@ -206,13 +253,13 @@ fn a_sequence_that_is_itself_the_cheapest_victim_preempts_itself() {
 /// `max_passed_over` times, then nothing behind it is admitted until it is.
 #[test]
 fn a_big_request_is_passed_over_a_bounded_number_of_times() {
-    let mut s = Scheduler::new(config(64, 16, 400)).unwrap();
+    let mut s = sim(64, 16, 400);
     s.add(0, 8, 300).unwrap(); // running, holds 16 and grows towards 300
     step(&mut s);
     for _ in 0..130 {
         step(&mut s); // 0 grows to 256 positions: 144 stay free
     }
-    assert_eq!(s.used_positions(), 256);
+    assert_eq!(s.kv.used(), 256);
     s.add(1, 250, 260).unwrap(); // the big one: needs 256, fits only once 0 is done
     let mut admitted_behind_after_bound = 0;
     let mut passes = 0;
@@ -235,10 +282,7 @@ fn a_big_request_is_passed_over_a_bounded_number_of_times() {
         "small requests went ahead while it could not fit"
     );
     assert_eq!(admitted_behind_after_bound, 0);
-    assert!(
-        s.find(1).is_none_or(|e| e.computed > 0 || e.allocated > 0),
-        "it was admitted"
-    );
+    assert!(s.kv.allocated(1) > 0, "it was admitted");
 }
 
 #[test]
@@ -247,13 +291,26 @@ fn the_step_cost_model_caps_prefill_while_streams_decode() {
         itl_factor: 2.0,
         fixed_tokens: 14.0,
         decode_tokens: 1.5,
+        attn_positions: f64::INFINITY,
     };
-    assert_eq!(cost.prefill_allowance(4), 20); // 1.0 x (14 + 6)
-    let mut s = Scheduler::new(SchedulerConfig {
-        step_cost: Some(cost),
-        ..config(512, 8, 100_000)
-    })
-    .unwrap();
+    assert_eq!(cost.prefill_units(4), 20.0); // 1.0 x (14 + 6)
+    assert_eq!(cost.chunk_tokens(0, 20.0), 20);
+    // With attention: at position 1000, a prompt token costs ~2 units.
+    let late = StepCost {
+        attn_positions: 1000.0,
+        ..cost
+    };
+    assert_eq!(late.chunk_tokens(1000, 20.0), 9);
+    assert!(late.chunk_units(1000, 9) <= 20.0 && late.chunk_units(1000, 10) > 20.0);
+    assert_eq!(late.chunk_tokens(0, 20.0), 19);
+    let mut s = Sim {
+        s: Scheduler::new(SchedulerConfig {
+            step_cost: Some(cost),
+            ..config(512, 8)
+        })
+        .unwrap(),
+        kv: ContiguousAllocator::new(100_000),
+    };
     // Nobody decodes: the whole budget goes to the prompt.
     s.add(0, 600, 700).unwrap();
     let p = step(&mut s);
@@ -275,5 +332,5 @@ fn the_step_cost_model_caps_prefill_while_streams_decode() {
         [(0, 1), (1, 15)]
     );
     // More decodes, more room: 14 + 1.5 x 16 = 38.
-    assert_eq!(cost.prefill_allowance(16), 38);
+    assert_eq!(cost.chunk_tokens(0, cost.prefill_units(16)), 38);
 }
