@@ -8,6 +8,7 @@
 //!   cargo run --release -p p08_continuous -- --model smollm2 --port 8000
 
 pub mod bench_cmd;
+pub mod cli;
 pub mod core;
 pub mod engine;
 pub mod kv_backend;

@@ -475,6 +475,9 @@ impl Scheduler {
             }
             let e = &self.waiting[k];
             let (id, num_tokens, max_len) = (e.id, e.num_tokens, e.max_len);
+            if cap.fit(0, 1) == 0 {
+                break; // the prefill allowance is spent: for everyone
+            }
             let Some(known) = tokens.tokens(id).get(..num_tokens) else {
                 k += 1; // its tokens are not there (a caller's bug): leave it
                 continue;

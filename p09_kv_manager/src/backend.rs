@@ -1,0 +1,119 @@
+//! Paged blocks as Project 08's K/V backend: the continuous scheduler now
+//! admits and preempts on free blocks, an admitted request starts with the
+//! tokens its cached prefix already covers, and each step reads and writes
+//! through block tables.
+
+use common::batch::KvShape;
+use p08_continuous::kv_backend::{Chunk, KvAllocator, KvBackend, KvMetric};
+use p08_continuous::scheduler::SeqId;
+
+use crate::block_pool::{BlockPool, PoolError};
+use crate::manager::KvManager;
+use crate::paged_store::PagedStore;
+
+#[derive(Debug)]
+pub struct PagedKv {
+    m: KvManager,
+}
+
+impl PagedKv {
+    /// A pool of `bytes` in blocks of `block_size` positions.
+    pub fn new(
+        shape: KvShape,
+        block_size: usize,
+        bytes: usize,
+        prefix_caching: bool,
+    ) -> Result<PagedKv, PoolError> {
+        let pool = BlockPool::with_bytes(shape, block_size, bytes)?;
+        Ok(PagedKv {
+            m: KvManager::new(pool, prefix_caching),
+        })
+    }
+
+    pub fn from_manager(m: KvManager) -> PagedKv {
+        PagedKv { m }
+    }
+
+    pub fn manager(&self) -> &KvManager {
+        &self.m
+    }
+}
+
+impl KvAllocator for PagedKv {
+    fn admit(&mut self, id: SeqId, tokens: &[u32], max_len: usize) -> Option<usize> {
+        // Room for the known tokens and the first decode (one block at a time after).
+        let reserve = (tokens.len() + 1).min(max_len.max(tokens.len()));
+        self.m.admit(id, tokens, b"", reserve)
+    }
+
+    fn grow(&mut self, id: SeqId, start: usize, end: usize, _max_len: usize) -> bool {
+        self.m.grow(id, start, end)
+    }
+
+    fn free(&mut self, id: SeqId) {
+        self.m.free(id);
+    }
+
+    fn capacity_positions(&self) -> usize {
+        self.m.pool().num_blocks() * self.m.block_size()
+    }
+}
+
+impl KvBackend for PagedKv {
+    type Store<'s> = PagedStore<'s>;
+
+    fn stores(&mut self, chunks: &[Chunk]) -> Result<Vec<PagedStore<'_>>, String> {
+        let chunks: Vec<(SeqId, usize, usize)> =
+            chunks.iter().map(|c| (c.id, c.start, c.len)).collect();
+        self.m.stores(&chunks).map_err(|e| e.to_string())
+    }
+
+    fn commit(&mut self, id: SeqId, tokens: &[u32], computed: usize) {
+        self.m.commit(id, tokens, computed);
+    }
+
+    fn used_bytes(&self) -> usize {
+        self.m.used_blocks() * self.m.pool().block_bytes()
+    }
+
+    fn capacity_bytes(&self) -> usize {
+        self.m.pool().num_blocks() * self.m.pool().block_bytes()
+    }
+
+    fn metrics(&self) -> Vec<KvMetric> {
+        let p = self.m.prefix_stats();
+        let pool = self.m.pool();
+        vec![
+            KvMetric {
+                name: "vllm:prefix_cache_queries",
+                help: "Prompt tokens looked up in the prefix cache.",
+                kind: "counter",
+                value: p.queries as f64,
+            },
+            KvMetric {
+                name: "vllm:prefix_cache_hits",
+                help: "Prompt tokens served from the prefix cache.",
+                kind: "counter",
+                value: p.hits as f64,
+            },
+            KvMetric {
+                name: "inference_lab:kv_blocks_total",
+                help: "Blocks in the K/V pool.",
+                kind: "gauge",
+                value: pool.num_blocks() as f64,
+            },
+            KvMetric {
+                name: "inference_lab:kv_blocks_free",
+                help: "Blocks no sequence holds (cached ones included).",
+                kind: "gauge",
+                value: pool.num_free() as f64,
+            },
+            KvMetric {
+                name: "inference_lab:kv_blocks_cached_free",
+                help: "Free blocks that still hold a cached prefix.",
+                kind: "gauge",
+                value: pool.num_cached_free() as f64,
+            },
+        ]
+    }
+}

@@ -1,0 +1,19 @@
+//! Project 09: paged KV memory. A pool of fixed-size blocks allocated once
+//! ([`block_pool`]), per-sequence block tables with prefix caching,
+//! copy-on-write and forks ([`manager`]), and each sequence's table as the
+//! `KvStore` the batched step reads through ([`paged_store`]): the
+//! attention walks one run per block, no copy. [`backend`] puts it under
+//! Project 08's scheduler: admission and preemption on free blocks,
+//! admitted requests starting after their cached prefix.
+
+pub mod backend;
+pub mod bench;
+pub mod block_pool;
+pub mod manager;
+pub mod paged_store;
+pub mod prefix_hash;
+
+pub use backend::PagedKv;
+pub use block_pool::{BlockId, BlockPool, PoolError};
+pub use manager::{KvManager, PrefixStats};
+pub use paged_store::PagedStore;
