@@ -105,15 +105,18 @@ async fn start(e: &Engines, name: &str, a: &ServeArgs) -> Result<System> {
     let engine: Arc<dyn Engine> = match name {
         "serial" => e.serial()?,
         "p07" => e.batching(BatchConfig::default())?,
-        "p08" => Arc::new(
-            ContinuousEngine::start(
-                e.model.clone(),
-                e.tok.clone(),
-                &e.name,
-                ContinuousConfig::default(),
+        "p08" | "p08-budget" => {
+            // p08-budget: the same scheduler without the ITL cap (the token budget only).
+            let defaults = ContinuousConfig::default();
+            let config = ContinuousConfig {
+                step_cost: defaults.step_cost.filter(|_| name == "p08"),
+                ..defaults
+            };
+            Arc::new(
+                ContinuousEngine::start(e.model.clone(), e.tok.clone(), &e.name, config)
+                    .map_err(anyhow::Error::msg)?,
             )
-            .map_err(anyhow::Error::msg)?,
-        ),
+        }
         "llama.cpp" => return start_peer(a).await,
         other => bail!("unknown system {other:?} (serial, p07, p08, p08-budget, llama.cpp)"),
     };
