@@ -37,6 +37,22 @@ pub struct GenerateParams {
     pub logprobs: Option<usize>,
 }
 
+impl GenerateParams {
+    /// Greedy and exactly `max_tokens` long (stop tokens ignored): what
+    /// parity tests and fixed-length benchmarks run.
+    pub fn greedy(max_tokens: usize) -> GenerateParams {
+        GenerateParams {
+            max_tokens,
+            sampling: SamplingParams::default(),
+            stop_ids: vec![],
+            stop_strings: vec![],
+            ignore_eos: true,
+            min_tokens: 0,
+            logprobs: None,
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct Generation {
     pub text: String,

@@ -52,7 +52,9 @@ pub fn matmul_params(engine: &LlamaEngine) -> usize {
     c.n_layer * (d * q + 2 * d * kv + q * d + 3 * d * ff) + c.vocab_size * d
 }
 
-fn stores(engine: &LlamaEngine, batch: usize, pos: usize) -> Vec<KvCache> {
+/// `batch` contiguous caches that hold `pos` positions (their values do not
+/// change a step's cost) with room for two more.
+pub fn decode_stores(engine: &LlamaEngine, batch: usize, pos: usize) -> Vec<KvCache> {
     let s = engine.kv_shape();
     (0..batch)
         .map(|_| {
@@ -79,7 +81,7 @@ pub fn measure(
         min_time: Duration::ZERO,
         max_samples: samples,
     };
-    let mut kv = stores(engine, batch, pos);
+    let mut kv = decode_stores(engine, batch, pos);
     let mut b = Batch::new();
     for i in 0..batch {
         b.push(&[100 + i as u32], pos)?;
@@ -95,7 +97,7 @@ pub fn measure(
     });
     let mut one = Batch::new();
     one.push(&[100], pos)?;
-    let mut single_kv = stores(engine, 1, pos);
+    let mut single_kv = decode_stores(engine, 1, pos);
     let single = time_it(cfg, || {
         let mut refs: Vec<&mut KvCache> = single_kv.iter_mut().collect();
         if let Err(e) = engine.forward_batch(&one, &mut refs, &mut ws, &mut logits[..vocab]) {

@@ -31,7 +31,9 @@ pub struct StepArgs {
     pub no_record: bool,
 }
 
-fn load(spec: &str) -> Result<(LlamaEngine, p04_transformer::Tokenizer)> {
+/// SmolLM2 (`smollm2`) or a model path, with its tokenizer: what the bench
+/// commands of p07 and later load.
+pub fn load_model(spec: &str) -> Result<(LlamaEngine, p04_transformer::Tokenizer)> {
     let path = p06_server::server::resolve_model(spec).map_err(anyhow::Error::msg)?;
     let loaded = p05_kv_cache::load::load(&path).with_context(|| path.display().to_string())?;
     let tok = loaded.tokenizer.context("the model has no tokenizer")?;
@@ -43,7 +45,7 @@ fn plots_dir() -> std::path::PathBuf {
 }
 
 pub fn step(a: &StepArgs) -> Result<()> {
-    let (engine, _) = load(&a.model)?;
+    let (engine, _) = load_model(&a.model)?;
     let threads = engine.model.threads;
     let params = matmul_params(&engine);
     let weight_bytes = params * 4;
@@ -209,7 +211,7 @@ fn batching(max_batch: usize, max_wait_ms: u64) -> BatchConfig {
 }
 
 pub async fn serve(a: &ServeBenchArgs) -> Result<()> {
-    let (engine, tok) = load(&a.model)?;
+    let (engine, tok) = load_model(&a.model)?;
     let e = Engines {
         model: Arc::new(engine),
         tok: Arc::new(tok),

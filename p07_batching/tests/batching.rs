@@ -12,21 +12,8 @@ use common::ModelInfo;
 use p04_transformer::Tokenizer;
 use p05_kv_cache::generate::{generate, GenerateParams, Sequence};
 use p05_kv_cache::kv_cache::KvCache;
-use p05_kv_cache::sampling::SamplingParams;
 use p07_batching::{BatchConfig, BatchingEngine};
 use support::{smollm2, MODEL};
-
-fn greedy(max_tokens: usize) -> GenerateParams {
-    GenerateParams {
-        max_tokens,
-        sampling: SamplingParams::default(),
-        stop_ids: vec![],
-        stop_strings: vec![],
-        ignore_eos: true,
-        min_tokens: 0,
-        logprobs: None,
-    }
-}
 
 /// What each member saw: its tokens and its logits row at every step.
 type Trace = (Vec<u32>, Vec<Vec<f32>>);
@@ -43,7 +30,9 @@ fn lockstep<M: BatchModel>(
     let mut ws = model.new_workspace();
     let mut seqs: Vec<Sequence> = members
         .iter()
-        .map(|(p, n)| Sequence::new::<M::Error>(model.info(), p, &greedy(*n)).unwrap())
+        .map(|(p, n)| {
+            Sequence::new::<M::Error>(model.info(), p, &GenerateParams::greedy(*n)).unwrap()
+        })
         .collect();
     let mut kvs: Vec<KvCache> = members
         .iter()
@@ -141,7 +130,7 @@ fn smollm2_batch_members_equal_themselves_alone() {
     members_equal_alone(&*s.engine, tok, &members);
     // A batch of one is p05's generation exactly.
     for (p, n) in &members {
-        let want = generate(&*s.engine, tok, p, &greedy(*n), |_| {})
+        let want = generate(&*s.engine, tok, p, &GenerateParams::greedy(*n), |_| {})
             .unwrap()
             .tokens;
         let got = lockstep(&*s.engine, tok, &[(p.clone(), *n)]).remove(0).0;
@@ -236,7 +225,14 @@ async fn waiting_requests_share_a_batch_and_a_cancelled_member_disturbs_no_one()
     // Each survivor equals its own generation alone.
     for ((p, n), (text, finish, count)) in prompts.iter().zip(lens).zip(&got) {
         let ids = s.tokenizer.encode(p);
-        let want = generate(&*s.engine, &s.tokenizer, &ids, &greedy(n), |_| {}).unwrap();
+        let want = generate(
+            &*s.engine,
+            &s.tokenizer,
+            &ids,
+            &GenerateParams::greedy(n),
+            |_| {},
+        )
+        .unwrap();
         assert_eq!(text, &want.text, "{p}");
         assert_eq!((*finish, *count), (Some(Finish::Length), n));
     }

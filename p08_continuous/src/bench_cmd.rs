@@ -13,7 +13,7 @@
 
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use common::batch::{Batch, BatchModel};
 use common::numbers::{command_line, Recorder, Row};
@@ -21,6 +21,8 @@ use common::plot::{line_chart, Labels, Scale, Series};
 use common::stats::{time_it, BenchConfig};
 use p05_kv_cache::kv_cache::KvCache;
 use p05_kv_cache::llama_engine::LlamaEngine;
+use p07_batching::bench::decode_stores;
+pub use p07_batching::bench_cmd::load_model;
 
 pub use crate::serve_bench::{serve, ServeArgs};
 
@@ -51,13 +53,6 @@ pub struct BudgetArgs {
     pub no_record: bool,
 }
 
-pub fn load_model(spec: &str) -> Result<(LlamaEngine, p04_transformer::Tokenizer)> {
-    let path = p06_server::server::resolve_model(spec).map_err(anyhow::Error::msg)?;
-    let loaded = p05_kv_cache::load::load(&path).with_context(|| path.display().to_string())?;
-    let tok = loaded.tokenizer.context("the model has no tokenizer")?;
-    Ok((loaded.engine, tok))
-}
-
 pub fn plots_dir() -> std::path::PathBuf {
     common::assets::workspace_root().join("p08_continuous/plots")
 }
@@ -74,13 +69,7 @@ pub fn step_time(
 ) -> Result<f64> {
     let s = engine.kv_shape();
     let vocab = engine.model.cfg.vocab_size;
-    let mut kv: Vec<KvCache> = (0..d)
-        .map(|_| {
-            let mut kv = KvCache::new(s.n_layer, s.n_kv_head, s.head_dim, pos + 1);
-            kv.len = pos;
-            kv
-        })
-        .collect();
+    let mut kv = decode_stores(engine, d, pos);
     let mut b = Batch::new();
     for i in 0..d {
         b.push(&[100 + i as u32], pos)?;

@@ -295,14 +295,13 @@ fn model_thread<M: BatchModel, B: KvBackend>(
         let step_s = t0.elapsed().as_secs_f64();
         // 4. Stream.
         update_gauges(gauges, &mut clients, &out);
-        gauges
-            .kv_cache_bytes
-            .store(core.kv_bytes(), Ordering::SeqCst);
+        let kv_bytes = core.kv_bytes();
+        gauges.kv_cache_bytes.store(kv_bytes, Ordering::SeqCst);
         shared
             .stats
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .observe(&out, step_s, core.kv_bytes(), core.kv().metrics());
+            .observe(&out, step_s, kv_bytes, core.kv().metrics());
         stream(tok, gauges, &mut clients, out);
     }
 }

@@ -15,27 +15,14 @@ use common::batch::BatchModel;
 use p04_transformer::Tokenizer;
 use p05_kv_cache::generate::{generate, GenerateParams};
 use p05_kv_cache::llama_engine::LlamaEngine;
-use p05_kv_cache::sampling::SamplingParams;
 use p08_continuous::core::StepOutput;
 use p08_continuous::scheduler::SeqId;
 use p08_continuous::{ContinuousConfig, EngineCore};
 use support::smollm2;
 
-fn greedy(max_tokens: usize) -> GenerateParams {
-    GenerateParams {
-        max_tokens,
-        sampling: SamplingParams::default(),
-        stop_ids: vec![],
-        stop_strings: vec![],
-        ignore_eos: true,
-        min_tokens: 0,
-        logprobs: None,
-    }
-}
-
 /// What p05's single-sequence generation gives for (prompt, max_tokens).
 fn alone(model: &LlamaEngine, tok: &Tokenizer, prompt: &[u32], n: usize) -> Vec<u32> {
-    generate(model, tok, prompt, &greedy(n), |_| {})
+    generate(model, tok, prompt, &GenerateParams::greedy(n), |_| {})
         .unwrap()
         .tokens
 }
@@ -100,7 +87,9 @@ fn a_mixed_workload_gives_every_request_its_tokens_alone() {
     for step in 0..500 {
         for (i, (at, prompt, n, _)) in work.iter().enumerate() {
             if *at == step {
-                assert!(core.add(i as SeqId, prompt, &greedy(*n)).unwrap());
+                assert!(core
+                    .add(i as SeqId, prompt, &GenerateParams::greedy(*n))
+                    .unwrap());
             }
         }
         for (i, w) in work.iter().enumerate() {
@@ -146,12 +135,16 @@ fn running_streams_get_a_token_every_step_while_a_long_prompt_is_prefilled() {
     let budget = 128;
     let mut core = EngineCore::new(model, tok, &config(budget, 8, 100_000)).unwrap();
     for id in 0..4 {
-        core.add(id, &text_ids(tok, 8 + id as usize, "x"), &greedy(200))
-            .unwrap();
+        core.add(
+            id,
+            &text_ids(tok, 8 + id as usize, "x"),
+            &GenerateParams::greedy(200),
+        )
+        .unwrap();
     }
     core.step(); // the four prompts
     let long = text_ids(tok, 2048, "long");
-    core.add(99, &long, &greedy(4)).unwrap();
+    core.add(99, &long, &GenerateParams::greedy(4)).unwrap();
     let mut prefill_steps = 0;
     let mut prefilled = 0;
     loop {
@@ -191,7 +184,8 @@ fn preemption_under_a_tiny_kv_budget_changes_no_output() {
         .collect();
     let mut core = EngineCore::new(model, tok, &config(64, 4, 160)).unwrap();
     for (i, (p, n)) in work.iter().enumerate() {
-        core.add(i as SeqId, p, &greedy(*n)).unwrap();
+        core.add(i as SeqId, p, &GenerateParams::greedy(*n))
+            .unwrap();
     }
     let mut got = HashMap::new();
     let mut done = Vec::new();
@@ -218,7 +212,9 @@ fn preemption_under_a_tiny_kv_budget_changes_no_output() {
 fn requests_that_cannot_fit_even_alone_are_refused() {
     let s = smollm2();
     let mut core = EngineCore::new(&*s.engine, &s.tokenizer, &config(64, 4, 100)).unwrap();
-    let e = core.add(0, &[1, 2, 3], &greedy(200)).unwrap_err();
+    let e = core
+        .add(0, &[1, 2, 3], &GenerateParams::greedy(200))
+        .unwrap_err();
     assert!(e.to_string().contains("K/V positions"), "{e}");
     assert!(!core.has_work());
     // 100 positions of SmolLM2's K/V shape: what the budget was divided by.

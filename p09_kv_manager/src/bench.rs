@@ -24,7 +24,8 @@ use common::stats::{time_it, BenchConfig};
 use p05_kv_cache::generate::GenerateParams;
 use p05_kv_cache::kv_cache::KvCache;
 use p05_kv_cache::llama_engine::LlamaEngine;
-use p05_kv_cache::sampling::SamplingParams;
+use p07_batching::bench::decode_stores;
+use p07_batching::bench_cmd::load_model;
 use p08_continuous::{ContinuousConfig, EngineCore};
 
 use crate::{BlockPool, KvManager, PagedKv};
@@ -82,18 +83,6 @@ fn length_mix(n: usize, max_tokens: usize, rng: &mut Rng) -> Vec<(usize, usize)>
         .collect()
 }
 
-fn greedy(n: usize) -> GenerateParams {
-    GenerateParams {
-        max_tokens: n,
-        sampling: SamplingParams::default(),
-        stop_ids: vec![],
-        stop_strings: vec![],
-        ignore_eos: true,
-        min_tokens: 0,
-        logprobs: None,
-    }
-}
-
 pub fn run(a: &BenchArgs) -> Result<()> {
     let mut rows = Vec::new();
     let mut rng = Rng::new(a.seed);
@@ -143,7 +132,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     }
 
     // 2. Sequences that fit in a fixed budget, at the mix's mean lengths.
-    let (engine, tok) = p08_continuous::bench_cmd::load_model(&a.model)?;
+    let (engine, tok) = load_model(&a.model)?;
     let shape = engine.kv_shape();
     let per_pos = shape.bytes_per_position();
     let budget_pos = (a.budget_mib << 20) / per_pos;
@@ -198,7 +187,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         let mut p = system.clone();
         p.extend(tok.encode(q));
         let t0 = Instant::now();
-        core.add(id, &p, &greedy(1))?;
+        core.add(id, &p, &GenerateParams::greedy(1))?;
         while core.has_work() {
             core.step();
         }
@@ -242,7 +231,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 " User {u}, turn {turn}: tell me about berth {}.",
                 u + turn
             )));
-            core.add(id, conv, &greedy(8))?;
+            core.add(id, conv, &GenerateParams::greedy(8))?;
             let mut answer = Vec::new();
             while core.has_work() {
                 for o in core.step().outputs {
@@ -342,13 +331,7 @@ fn decode_step_times(
         b.push(&[100 + i as u32], pos)?;
     }
     let mut logits = vec![0.0f32; batch * vocab];
-    let mut kv: Vec<KvCache> = (0..batch)
-        .map(|_| {
-            let mut c = KvCache::new(shape.n_layer, shape.n_kv_head, shape.head_dim, pos + 1);
-            c.len = pos;
-            c
-        })
-        .collect();
+    let mut kv = decode_stores(engine, batch, pos);
     let mut m = KvManager::new(
         BlockPool::new(shape, bs, batch * (pos + 1).div_ceil(bs))?,
         false,

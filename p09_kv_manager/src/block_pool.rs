@@ -70,6 +70,9 @@ pub struct BlockPool {
     /// Each free block's stamp.
     free_stamp: Vec<Option<u64>>,
     next_stamp: u64,
+    /// Free blocks that still hold a cached prefix (kept as blocks move, so
+    /// the metric costs nothing per step).
+    cached_free: usize,
 }
 
 impl BlockPool {
@@ -96,6 +99,7 @@ impl BlockPool {
             free: BTreeMap::new(),
             free_stamp: vec![None; num_blocks],
             next_stamp: 0,
+            cached_free: 0,
         };
         for id in 0..num_blocks as BlockId {
             pool.push_free(id);
@@ -139,6 +143,12 @@ impl BlockPool {
 
     /// Free blocks that still hold a cached prefix.
     pub fn num_cached_free(&self) -> usize {
+        self.cached_free
+    }
+
+    /// The same, counted from scratch (the tests check the counter).
+    #[cfg(test)]
+    pub(crate) fn count_cached_free(&self) -> usize {
         self.free
             .values()
             .filter(|&&b| self.cached[b as usize].is_some())
@@ -158,6 +168,7 @@ impl BlockPool {
         let (_, id) = self.free.pop_first()?;
         self.free_stamp[id as usize] = None;
         if let Some(c) = self.cached[id as usize].take() {
+            self.cached_free -= 1;
             if self.by_hash.get(&c.hash) == Some(&id) {
                 self.by_hash.remove(&c.hash);
             }
@@ -173,6 +184,9 @@ impl BlockPool {
         let i = self.index(id)?;
         if let Some(stamp) = self.free_stamp[i].take() {
             self.free.remove(&stamp);
+            if self.cached[i].is_some() {
+                self.cached_free -= 1;
+            }
         }
         self.ref_count[i] += 1;
         Ok(())
@@ -232,6 +246,9 @@ impl BlockPool {
             None => None,
         };
         self.by_hash.insert(hash, id);
+        if self.free_stamp[i].is_some() {
+            self.cached_free += 1;
+        }
         self.cached[i] = Some(CachedBlock {
             hash,
             parent,
@@ -299,6 +316,9 @@ impl BlockPool {
     }
 
     fn push_free(&mut self, id: BlockId) {
+        if self.cached[id as usize].is_some() {
+            self.cached_free += 1;
+        }
         self.free.insert(self.next_stamp, id);
         self.free_stamp[id as usize] = Some(self.next_stamp);
         self.next_stamp += 1;

@@ -277,11 +277,8 @@ impl KvManager {
             plan.push((table, len, range));
         }
         let shape = self.pool.shape();
-        // Borrow the tables' copies: `split` needs the pool mutably.
-        let plan: Vec<(Vec<BlockId>, usize, std::ops::Range<usize>)> = plan
-            .into_iter()
-            .map(|(t, l, r)| (t.to_vec(), l, r))
-            .collect();
+        // `seqs` and `pool` are separate fields: the tables stay borrowed
+        // while the pool lends its blocks.
         let (writable, readable) = self.pool.split(&writes)?;
         let mut writable = writable.into_iter();
         let mut stores = Vec::with_capacity(plan.len());

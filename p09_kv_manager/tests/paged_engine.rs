@@ -15,7 +15,6 @@ use common::batch::BatchModel;
 use p04_transformer::Tokenizer;
 use p05_kv_cache::generate::{generate, GenerateParams};
 use p05_kv_cache::llama_engine::LlamaEngine;
-use p05_kv_cache::sampling::SamplingParams;
 use p08_continuous::scheduler::SeqId;
 use p08_continuous::{ContinuousConfig, EngineCore};
 use p09_kv_manager::prefix_hash::BlockHasher;
@@ -39,22 +38,16 @@ fn smollm2() -> &'static Model {
     })
 }
 
-fn greedy(max_tokens: usize) -> GenerateParams {
-    GenerateParams {
-        max_tokens,
-        sampling: SamplingParams::default(),
-        stop_ids: vec![],
-        stop_strings: vec![],
-        ignore_eos: true,
-        min_tokens: 0,
-        logprobs: None,
-    }
-}
-
 fn alone(m: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
-    generate(&m.engine, &m.tok, prompt, &greedy(n), |_| {})
-        .unwrap()
-        .tokens
+    generate(
+        &m.engine,
+        &m.tok,
+        prompt,
+        &GenerateParams::greedy(n),
+        |_| {},
+    )
+    .unwrap()
+    .tokens
 }
 
 fn text_ids(tok: &Tokenizer, n: usize, salt: &str) -> Vec<u32> {
@@ -99,7 +92,9 @@ fn run(
     for step in 0..5000 {
         for (i, (at, prompt, n)) in work.iter().enumerate() {
             if *at == step {
-                assert!(core.add(i as SeqId, prompt, &greedy(*n)).unwrap());
+                assert!(core
+                    .add(i as SeqId, prompt, &GenerateParams::greedy(*n))
+                    .unwrap());
             }
         }
         let out = core.step();

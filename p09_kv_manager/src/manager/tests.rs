@@ -216,6 +216,11 @@ fn blocks_are_conserved_under_a_random_workload() {
             "round {round}"
         );
         assert!(pool.num_cached_free() <= pool.num_free());
+        assert_eq!(
+            pool.num_cached_free(),
+            pool.count_cached_free(),
+            "round {round}"
+        );
         assert!(pool.cache_is_consistent(), "round {round}");
     }
 }
