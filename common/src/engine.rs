@@ -68,6 +68,13 @@ pub struct EngineRequest {
     pub min_tokens: usize,
     /// Some(k): report log p of each token and its k most likely alternatives.
     pub logprobs: Option<usize>,
+    /// Choices to sample from the one prompt (read by
+    /// [`Engine::submit_choices`]; `submit` answers one). Choice `i` samples
+    /// with seed `seed + i`, so choice 0 is what `n = 1` would give.
+    pub n: usize,
+    /// Keys the prefix cache: only requests with the same salt share
+    /// cached K/V. Engines without a prefix cache ignore it.
+    pub cache_salt: Option<String>,
 }
 
 impl EngineRequest {
@@ -81,6 +88,8 @@ impl EngineRequest {
             ignore_eos: false,
             min_tokens: 0,
             logprobs: None,
+            n: 1,
+            cache_salt: None,
         }
     }
 }
@@ -204,6 +213,22 @@ pub trait Engine: Send + Sync + fmt::Debug {
     fn load(&self) -> EngineLoad;
 
     fn submit(&self, request: EngineRequest) -> Result<EngineStream, EngineError>;
+
+    /// `request.n` choices of one prompt, one stream each (in choice order).
+    /// Engines that cannot share a prompt between samples keep this default,
+    /// which refuses `n > 1` with a 400 naming the field.
+    fn submit_choices(&self, request: EngineRequest) -> Result<Vec<EngineStream>, EngineError> {
+        if request.n != 1 {
+            return Err(EngineError::InvalidRequest {
+                message: format!(
+                    "n must be 1 on this engine (it returns one choice per request), got {}",
+                    request.n
+                ),
+                param: Some("n".into()),
+            });
+        }
+        Ok(vec![self.submit(request)?])
+    }
 
     /// Stop taking requests and end the ones in flight with `Finish::Abort`
     /// (a graceful shutdown whose deadline passed).

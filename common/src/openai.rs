@@ -86,6 +86,10 @@ pub struct CommonParams {
     pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user: Option<String>,
+    /// vLLM's per-tenant salt for the prefix cache: requests with different
+    /// salts never share cached K/V (a timing side channel otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_salt: Option<String>,
 }
 
 /// `POST /v1/completions`.

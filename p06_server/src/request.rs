@@ -30,6 +30,9 @@ pub struct Parsed {
 pub const MAX_TOP_LOGPROBS: i64 = 20;
 /// OpenAI's limit on stop sequences.
 pub const MAX_STOP: usize = 4;
+/// Most choices per request (`n`): each is a running sequence, so a
+/// request may take this many of the batch's slots.
+pub const MAX_CHOICES: i64 = 16;
 
 /// The body as a JSON object (syntax errors and non-objects are 400s).
 fn parse_object(bytes: &[u8]) -> Result<serde_json::Value, ApiError> {
@@ -109,6 +112,8 @@ struct Common {
     include_usage: bool,
     ignore_eos: bool,
     min_tokens: usize,
+    n: usize,
+    cache_salt: Option<String>,
 }
 
 impl Common {
@@ -130,6 +135,8 @@ impl Common {
         engine.stop = self.stop;
         engine.ignore_eos = self.ignore_eos;
         engine.min_tokens = self.min_tokens;
+        engine.n = self.n;
+        engine.cache_salt = self.cache_salt;
         engine.logprobs = logprobs;
         Parsed {
             endpoint,
@@ -154,7 +161,18 @@ fn common_fields(
     (max_param, max_tokens): (&str, Option<i64>),
 ) -> Result<Common, ApiError> {
     check_model(c.model.as_deref(), served)?;
-    range("n", c.n, |n| n == 1, "1 (one choice per request)")?;
+    let n = range(
+        "n",
+        c.n,
+        |n| (1..=MAX_CHOICES).contains(&n),
+        &format!("in [1, {MAX_CHOICES}]"),
+    )?;
+    if c.cache_salt.as_ref().is_some_and(String::is_empty) {
+        return Err(ApiError::invalid(
+            "cache_salt",
+            "cache_salt must be a non-empty string if given",
+        ));
+    }
     range("best_of", c.best_of, |n| n == 1, "1")?;
     range(
         "presence_penalty",
@@ -238,6 +256,8 @@ fn common_fields(
         include_usage,
         ignore_eos: c.ignore_eos.unwrap_or(false),
         min_tokens: min_tokens.unwrap_or(0) as usize,
+        n: n.unwrap_or(1) as usize,
+        cache_salt: c.cache_salt.clone(),
     })
 }
 
@@ -328,7 +348,11 @@ mod tests {
             Some("top_p")
         );
         assert_eq!(
-            err(r#"{"messages": [], "n": 2}"#).param.as_deref(),
+            err(r#"{"messages": [], "n": 0}"#).param.as_deref(),
+            Some("n")
+        );
+        assert_eq!(
+            err(r#"{"messages": [], "n": 17}"#).param.as_deref(),
             Some("n")
         );
         assert_eq!(

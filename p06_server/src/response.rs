@@ -80,23 +80,25 @@ impl Builder {
         .unwrap_or(Value::Null)
     }
 
-    /// The chat stream's opening frame (the assistant role, no content).
-    pub fn role_chunk(&self) -> Option<Value> {
+    /// The chat stream's opening frame of choice `index` (the assistant
+    /// role, no content).
+    pub fn role_chunk(&self, index: usize) -> Option<Value> {
         (self.endpoint == Endpoint::Chat).then(|| {
             let delta = ResponseMessage {
                 role: Some("assistant".into()),
                 content: Some(String::new()),
             };
             self.chat(
-                vec![chat_choice(None, Some(delta), None, None)],
+                vec![chat_choice(index, None, Some(delta), None, None)],
                 None,
                 CHUNK,
             )
         })
     }
 
-    /// One token's frame; `offset` is the byte offset of its text.
-    pub fn token_chunk(&self, t: &TokenOut, offset: usize) -> Value {
+    /// One token's frame of choice `index`; `offset` is the byte offset of
+    /// its text in that choice.
+    pub fn token_chunk(&self, index: usize, t: &TokenOut, offset: usize) -> Value {
         match self.endpoint {
             Endpoint::Chat => {
                 let delta = ResponseMessage {
@@ -106,23 +108,31 @@ impl Builder {
                 let lp = self.logprobs.then(|| ChatLogprobs {
                     content: chat_logprob(t).into_iter().collect(),
                 });
-                self.chat(vec![chat_choice(None, Some(delta), lp, None)], None, CHUNK)
+                self.chat(
+                    vec![chat_choice(index, None, Some(delta), lp, None)],
+                    None,
+                    CHUNK,
+                )
             }
             Endpoint::Completions => {
                 let lp = self
                     .logprobs
                     .then(|| completion_logprobs(std::slice::from_ref(t), offset));
-                self.completion(vec![completion_choice(t.text.clone(), lp, None)], None)
+                self.completion(
+                    vec![completion_choice(index, t.text.clone(), lp, None)],
+                    None,
+                )
             }
         }
     }
 
-    /// The frame that carries the finish reason.
-    pub fn finish_chunk(&self, finish: Finish) -> Value {
+    /// The frame that carries choice `index`'s finish reason.
+    pub fn finish_chunk(&self, index: usize, finish: Finish) -> Value {
         let reason = Some(finish.as_str().to_string());
         match self.endpoint {
             Endpoint::Chat => self.chat(
                 vec![chat_choice(
+                    index,
                     None,
                     Some(ResponseMessage::default()),
                     None,
@@ -131,9 +141,10 @@ impl Builder {
                 None,
                 CHUNK,
             ),
-            Endpoint::Completions => {
-                self.completion(vec![completion_choice(String::new(), None, reason)], None)
-            }
+            Endpoint::Completions => self.completion(
+                vec![completion_choice(index, String::new(), None, reason)],
+                None,
+            ),
         }
     }
 
@@ -145,28 +156,31 @@ impl Builder {
         }
     }
 
-    /// The whole (non-streamed) response.
-    pub fn full(&self, tokens: &[TokenOut], finish: Finish, usage: Usage) -> Value {
-        let text: String = tokens.iter().map(|t| t.text.as_str()).collect();
-        let reason = Some(finish.as_str().to_string());
+    /// The whole (non-streamed) response: each choice's tokens and finish
+    /// reason, in choice order.
+    pub fn full(&self, choices: &[(Vec<TokenOut>, Finish)], usage: Usage) -> Value {
+        let text = |tokens: &[TokenOut]| tokens.iter().map(|t| t.text.as_str()).collect();
+        let reason = |finish: &Finish| Some(finish.as_str().to_string());
         match self.endpoint {
             Endpoint::Chat => {
-                let lp = self.logprobs.then(|| ChatLogprobs {
-                    content: tokens.iter().filter_map(chat_logprob).collect(),
+                let choices = choices.iter().enumerate().map(|(i, (tokens, finish))| {
+                    let lp = self.logprobs.then(|| ChatLogprobs {
+                        content: tokens.iter().filter_map(chat_logprob).collect(),
+                    });
+                    let msg = ResponseMessage {
+                        role: Some("assistant".into()),
+                        content: Some(text(tokens)),
+                    };
+                    chat_choice(i, Some(msg), None, lp, reason(finish))
                 });
-                let msg = ResponseMessage {
-                    role: Some("assistant".into()),
-                    content: Some(text),
-                };
-                self.chat(
-                    vec![chat_choice(Some(msg), None, lp, reason)],
-                    Some(usage),
-                    "chat.completion",
-                )
+                self.chat(choices.collect(), Some(usage), "chat.completion")
             }
             Endpoint::Completions => {
-                let lp = self.logprobs.then(|| completion_logprobs(tokens, 0));
-                self.completion(vec![completion_choice(text, lp, reason)], Some(usage))
+                let choices = choices.iter().enumerate().map(|(i, (tokens, finish))| {
+                    let lp = self.logprobs.then(|| completion_logprobs(tokens, 0));
+                    completion_choice(i, text(tokens), lp, reason(finish))
+                });
+                self.completion(choices.collect(), Some(usage))
             }
         }
     }
@@ -175,13 +189,14 @@ impl Builder {
 const CHUNK: &str = "chat.completion.chunk";
 
 fn chat_choice(
+    index: usize,
     message: Option<ResponseMessage>,
     delta: Option<ResponseMessage>,
     logprobs: Option<ChatLogprobs>,
     finish_reason: Option<String>,
 ) -> ChatChoice {
     ChatChoice {
-        index: 0,
+        index,
         message,
         delta,
         logprobs,
@@ -190,12 +205,13 @@ fn chat_choice(
 }
 
 fn completion_choice(
+    index: usize,
     text: String,
     logprobs: Option<CompletionLogprobs>,
     finish_reason: Option<String>,
 ) -> CompletionChoice {
     CompletionChoice {
-        index: 0,
+        index,
         text,
         logprobs,
         finish_reason,

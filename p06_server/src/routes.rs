@@ -15,8 +15,10 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use common::engine::{Engine, EngineEvent, Finish, TokenOut};
+use common::engine::{Engine, EngineError, EngineEvent, EngineStream, Finish, TokenOut};
 use common::openai::{ModelCard, ModelList, Usage};
+use futures_util::stream::{select_all, BoxStream, SelectAll};
+use futures_util::StreamExt;
 use serde_json::Value;
 
 use crate::error::ApiError;
@@ -143,10 +145,13 @@ async fn serve_request(st: AppState, endpoint: Endpoint, body: Body) -> Result<R
         model: served,
         logprobs: request.logprobs.is_some(),
     };
-    let mut events = st.engine.submit(request)?;
+    let mut choices = st.engine.submit_choices(request)?;
     let mut tracker = Tracker::new(st.metrics.clone(), arrival);
-    // Wait for the first event, so that a refusal becomes a status code
-    // rather than an error inside a 200 stream.
+    let Some(events) = choices.first_mut() else {
+        return Err(ApiError::unavailable("the engine returned no choices"));
+    };
+    // Wait for the first event (of choice 0), so that a refusal becomes a
+    // status code rather than an error inside a 200 stream.
     let first = match events.recv().await {
         Some(EngineEvent::Error(e)) => {
             tracker.done = true;
@@ -161,10 +166,10 @@ async fn serve_request(st: AppState, endpoint: Endpoint, body: Body) -> Result<R
             builder,
             tracker,
             first,
-            events,
+            choices,
         ))
     } else {
-        collect_response(builder, tracker, first, events).await
+        collect_response(builder, tracker, first, choices).await
     }
 }
 
@@ -190,14 +195,19 @@ impl Tracker {
         }
     }
 
-    fn token(&mut self) {
+    /// A token of choice `index`: latencies are those of choice 0 (the
+    /// others' tokens come in the same steps).
+    fn token(&mut self, index: usize) {
+        self.generated += 1;
+        if index != 0 {
+            return;
+        }
         let now = Instant::now();
         match self.last_token {
             None => self.metrics.first_token((now - self.arrival).as_secs_f64()),
             Some(t) => self.metrics.inter_token((now - t).as_secs_f64()),
         }
         self.last_token = Some(now);
-        self.generated += 1;
     }
 
     fn finish(&mut self, finish: Finish, prompt_tokens: usize, generated: usize) {
@@ -215,48 +225,96 @@ impl Drop for Tracker {
     }
 }
 
+/// Read every choice to its end (choice 0's first event is `first`).
 async fn collect_response(
     builder: Builder,
     mut tracker: Tracker,
     first: EngineEvent,
-    mut events: common::engine::EngineStream,
+    streams: Vec<EngineStream>,
 ) -> Result<Response, ApiError> {
-    let mut tokens: Vec<TokenOut> = Vec::new();
-    let mut next = Some(first);
-    while let Some(ev) = next {
-        match ev {
-            EngineEvent::Token(t) => {
-                tracker.token();
-                tokens.push(t);
-            }
-            EngineEvent::Done {
-                finish,
-                prompt_tokens,
-                completion_tokens,
-            } => {
-                tracker.finish(finish, prompt_tokens, completion_tokens);
-                let usage = Usage::new(prompt_tokens, completion_tokens);
-                return Ok(Json(builder.full(&tokens, finish, usage)).into_response());
-            }
-            EngineEvent::Error(e) => {
-                tracker.finish(Finish::Abort, 0, tokens.len());
-                return Err(e.into());
+    let mut choices: Vec<(Vec<TokenOut>, Finish)> = Vec::with_capacity(streams.len());
+    let (mut prompt_tokens, mut completion_tokens) = (0, 0);
+    let mut first = Some(first);
+    for (i, mut events) in streams.into_iter().enumerate() {
+        let mut tokens = Vec::new();
+        loop {
+            let ev = match first.take() {
+                Some(ev) => ev,
+                None => events
+                    .recv()
+                    .await
+                    .ok_or_else(|| ApiError::unavailable("the engine stopped mid-request"))?,
+            };
+            match ev {
+                EngineEvent::Token(t) => {
+                    tracker.token(i);
+                    tokens.push(t);
+                }
+                EngineEvent::Done {
+                    finish,
+                    prompt_tokens: p,
+                    completion_tokens: c,
+                } => {
+                    prompt_tokens = p;
+                    completion_tokens += c;
+                    choices.push((tokens, finish));
+                    break;
+                }
+                EngineEvent::Error(e) => {
+                    tracker.finish(Finish::Abort, 0, tracker.generated);
+                    return Err(e.into());
+                }
             }
         }
-        next = events.recv().await;
     }
-    Err(ApiError::unavailable("the engine stopped mid-request"))
+    let finish = choices.first().map_or(Finish::Abort, |c| c.1);
+    tracker.finish(finish, prompt_tokens, completion_tokens);
+    let usage = Usage::new(prompt_tokens, completion_tokens);
+    Ok(Json(builder.full(&choices, usage)).into_response())
+}
+
+type Merged = SelectAll<BoxStream<'static, (usize, EngineEvent)>>;
+
+/// Every choice's events as they come, tagged with the choice's index
+/// (choice 0 starts with `first`, already received); a stream that ends
+/// without its `Done` yields an error event.
+fn merge(first: EngineEvent, streams: Vec<EngineStream>) -> Merged {
+    let mut first = Some(first);
+    select_all(streams.into_iter().enumerate().map(|(i, rx)| {
+        let start = (first.take(), Some(rx));
+        futures_util::stream::unfold(start, move |(pending, rx)| async move {
+            let mut rx = rx?;
+            let ev = match pending {
+                Some(ev) => ev,
+                None => rx.recv().await.unwrap_or_else(|| {
+                    EngineEvent::Error(EngineError::Internal(
+                        "the engine stopped mid-request".into(),
+                    ))
+                }),
+            };
+            let last = !matches!(ev, EngineEvent::Token(_));
+            Some(((i, ev), (None, (!last).then_some(rx))))
+        })
+        .boxed()
+    }))
 }
 
 /// What the SSE stream still has to send.
 struct StreamState {
     builder: Builder,
     tracker: Tracker,
-    events: common::engine::EngineStream,
+    events: Merged,
     include_usage: bool,
     /// Frames ready to go, in order.
     queue: std::collections::VecDeque<Event>,
-    offset: usize,
+    /// Per choice: byte offset of the next text.
+    offsets: Vec<usize>,
+    /// Choices not yet done.
+    open: usize,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    /// Choice 0's finish reason (the request's, in the metrics).
+    finish: Option<Finish>,
     finished: bool,
 }
 
@@ -265,28 +323,40 @@ fn data(v: &Value) -> Event {
 }
 
 impl StreamState {
-    /// Turn one engine event into frames.
-    fn push(&mut self, ev: EngineEvent) {
+    /// Turn one event of choice `i` into frames.
+    fn push(&mut self, i: usize, ev: EngineEvent) {
         match ev {
             EngineEvent::Token(t) => {
-                self.tracker.token();
+                self.tracker.token(i);
+                let offset = self.offsets.get(i).copied().unwrap_or(0);
                 if !t.text.is_empty() || t.logprob.is_some() {
-                    let v = self.builder.token_chunk(&t, self.offset);
+                    let v = self.builder.token_chunk(i, &t, offset);
                     self.queue.push_back(data(&v));
                 }
-                self.offset += t.text.len();
+                if let Some(o) = self.offsets.get_mut(i) {
+                    *o += t.text.len();
+                }
             }
             EngineEvent::Done {
                 finish,
                 prompt_tokens,
                 completion_tokens,
             } => {
-                self.tracker
-                    .finish(finish, prompt_tokens, completion_tokens);
                 self.queue
-                    .push_back(data(&self.builder.finish_chunk(finish)));
+                    .push_back(data(&self.builder.finish_chunk(i, finish)));
+                self.prompt_tokens = prompt_tokens;
+                self.completion_tokens += completion_tokens;
+                if i == 0 {
+                    self.finish = Some(finish);
+                }
+                self.open = self.open.saturating_sub(1);
+                if self.open > 0 {
+                    return;
+                }
+                let (p, c) = (self.prompt_tokens, self.completion_tokens);
+                self.tracker.finish(self.finish.unwrap_or(finish), p, c);
                 if self.include_usage {
-                    let u = Usage::new(prompt_tokens, completion_tokens);
+                    let u = Usage::new(p, c);
                     self.queue.push_back(data(&self.builder.usage_chunk(u)));
                 }
                 self.queue.push_back(Event::default().data("[DONE]"));
@@ -309,23 +379,29 @@ fn stream_response(
     builder: Builder,
     tracker: Tracker,
     first: EngineEvent,
-    events: common::engine::EngineStream,
+    streams: Vec<EngineStream>,
 ) -> Response {
+    let n = streams.len();
     let mut state = StreamState {
         builder,
         tracker,
-        events,
+        events: merge(first, streams),
         include_usage,
         queue: Default::default(),
-        offset: 0,
+        offsets: vec![0; n],
+        open: n,
+        prompt_tokens: 0,
+        completion_tokens: 0,
+        finish: None,
         finished: false,
     };
-    if let Some(role) = state.builder.role_chunk() {
-        state.queue.push_back(data(&role));
+    for i in 0..n {
+        if let Some(role) = state.builder.role_chunk(i) {
+            state.queue.push_back(data(&role));
+        }
     }
-    state.push(first);
     // When the client disconnects, hyper drops this stream, and with it the
-    // engine's receiver: the engine sees that before its next step.
+    // engine's receivers: the engine sees that before its next step.
     let stream = futures_util::stream::unfold(state, |mut s| async move {
         loop {
             if let Some(ev) = s.queue.pop_front() {
@@ -334,13 +410,14 @@ fn stream_response(
             if s.finished {
                 return None;
             }
-            match s.events.recv().await {
-                Some(ev) => s.push(ev),
-                None => {
-                    s.push(EngineEvent::Error(common::engine::EngineError::Internal(
+            match s.events.next().await {
+                Some((i, ev)) => s.push(i, ev),
+                None => s.push(
+                    0,
+                    EngineEvent::Error(EngineError::Internal(
                         "the engine stopped mid-request".into(),
-                    )));
-                }
+                    )),
+                ),
             }
         }
     });

@@ -114,12 +114,23 @@ pub struct StepOutput {
     pub outputs: Vec<SeqOutput>,
     /// Sequences retired because the step failed, with the reason.
     pub failed: Vec<(SeqId, String)>,
+    /// Choices of parallel sampling that forked their parent's K/V in this
+    /// step and now run (they sampled their first token here).
+    pub forked: Vec<SeqId>,
 }
 
 /// The requests the core holds: their generation state (their K/V is the
 /// backend's).
 #[derive(Debug, Default)]
 struct Requests(HashMap<SeqId, Sequence>);
+
+/// A choice of parallel sampling waiting for its parent's prompt.
+#[derive(Debug)]
+struct Pending {
+    id: SeqId,
+    seq: Sequence,
+    max_len: usize,
+}
 
 impl TokenSource for Requests {
     fn tokens(&self, id: SeqId) -> &[u32] {
@@ -132,6 +143,8 @@ pub struct EngineCore<'a, M: BatchModel, B: KvBackend = ContiguousKv> {
     tok: &'a Tokenizer,
     scheduler: Scheduler,
     requests: Requests,
+    /// Parent → its other choices, forked when it samples its first token.
+    pending: HashMap<SeqId, Vec<Pending>>,
     kv: B,
     workspace: M::Workspace,
     batch: Batch,
@@ -174,6 +187,7 @@ impl<'a, M: BatchModel, B: KvBackend> EngineCore<'a, M, B> {
             tok,
             scheduler,
             requests: Requests::default(),
+            pending: HashMap::new(),
             kv,
             workspace: model.new_workspace(),
             batch: Batch::new(),
@@ -189,27 +203,97 @@ impl<'a, M: BatchModel, B: KvBackend> EngineCore<'a, M, B> {
         prompt: &[u32],
         params: &GenerateParams,
     ) -> Result<bool, AddError<M::Error>> {
-        let seq = Sequence::new::<M::Error>(self.model.info(), prompt, params)?;
+        self.add_choices(&[id], prompt, params, b"")
+    }
+
+    /// Queue `ids.len()` choices of one prompt (parallel sampling, `n`).
+    /// The first computes the prompt; when it samples its first token, the
+    /// others fork its K/V (shared blocks on a paged backend) and sample
+    /// from the same logits, choice `i` with seed `seed + i`. `salt` keys
+    /// the prefix cache. False when all are finished before they start.
+    pub fn add_choices(
+        &mut self,
+        ids: &[SeqId],
+        prompt: &[u32],
+        params: &GenerateParams,
+        salt: &[u8],
+    ) -> Result<bool, AddError<M::Error>> {
+        let Some((&parent, others)) = ids.split_first() else {
+            return Ok(false);
+        };
+        let info = self.model.info();
+        let seq = Sequence::new::<M::Error>(info, prompt, params)?;
         if seq.is_finished() {
             return Ok(false);
         }
-        self.scheduler.add(
-            id,
-            prompt.len(),
-            prompt.len().saturating_add(params.max_tokens),
-            self.kv.capacity_positions(),
-        )?;
-        self.requests.0.insert(id, seq);
+        let max_len = prompt.len().saturating_add(params.max_tokens);
+        let mut children = Vec::with_capacity(others.len());
+        for (i, &id) in (1u64..).zip(others) {
+            if id == parent || self.is_held(id) || children.iter().any(|c: &Pending| c.id == id) {
+                return Err(SchedulerError::Duplicate(id).into());
+            }
+            let mut p = params.clone();
+            p.sampling.seed = p.sampling.seed.wrapping_add(i);
+            let seq = Sequence::new::<M::Error>(info, prompt, &p)?;
+            children.push(Pending { id, seq, max_len });
+        }
+        self.scheduler
+            .add(parent, prompt.len(), max_len, self.kv.capacity_positions())?;
+        for &id in ids {
+            self.kv.set_salt(id, salt);
+        }
+        self.requests.0.insert(parent, seq);
+        if !children.is_empty() {
+            self.pending.insert(parent, children);
+        }
         Ok(true)
     }
 
+    /// Whether `id` is running, waiting or waiting for its parent.
+    fn is_held(&self, id: SeqId) -> bool {
+        self.requests.0.contains_key(&id) || self.pending.values().flatten().any(|c| c.id == id)
+    }
+
     /// Cancel a request, freeing its K/V. Returns its (prompt, generated)
-    /// token counts if it was held.
+    /// token counts if it was held. Choices still waiting for it as their
+    /// parent queue to compute the prompt themselves.
     pub fn abort(&mut self, id: SeqId) -> Option<(usize, usize)> {
+        for c in self.pending.remove(&id).into_iter().flatten() {
+            self.enqueue(c);
+        }
+        if let Some(c) = self.take_pending(id) {
+            self.kv.release(id);
+            return Some((c.seq.prompt_tokens(), 0));
+        }
         self.scheduler.remove(id);
-        self.kv.free(id);
+        self.kv.release(id);
         let seq = self.requests.0.remove(&id)?;
         Some((seq.prompt_tokens(), seq.generated_tokens()))
+    }
+
+    /// Remove a choice waiting for its parent.
+    fn take_pending(&mut self, id: SeqId) -> Option<Pending> {
+        for children in self.pending.values_mut() {
+            if let Some(i) = children.iter().position(|c| c.id == id) {
+                return Some(children.remove(i));
+            }
+        }
+        None
+    }
+
+    /// A choice that could not fork waits as an ordinary request (its
+    /// prompt may still hit the prefix cache).
+    fn enqueue(&mut self, c: Pending) {
+        let tokens = c.seq.history().len();
+        let capacity = self.kv.capacity_positions();
+        // It fitted as its parent's twin, so it fits alone.
+        if self
+            .scheduler
+            .add(c.id, tokens, c.max_len, capacity)
+            .is_ok()
+        {
+            self.requests.0.insert(c.id, c.seq);
+        }
     }
 
     pub fn has_work(&self) -> bool {
@@ -246,11 +330,12 @@ impl<'a, M: BatchModel, B: KvBackend> EngineCore<'a, M, B> {
         }
         match self.run(&plan) {
             Ok(()) => {
-                let outputs = self.postprocess(&plan);
+                let (outputs, forked) = self.postprocess(&plan);
                 StepOutput {
                     plan,
                     outputs,
                     failed: Vec::new(),
+                    forked,
                 }
             }
             Err(e) => {
@@ -266,8 +351,8 @@ impl<'a, M: BatchModel, B: KvBackend> EngineCore<'a, M, B> {
                     .collect();
                 StepOutput {
                     plan,
-                    outputs: Vec::new(),
                     failed,
+                    ..StepOutput::default()
                 }
             }
         }
@@ -314,11 +399,13 @@ impl<'a, M: BatchModel, B: KvBackend> EngineCore<'a, M, B> {
             .map_err(|e| e.to_string())
     }
 
-    /// Sample where a chunk reached the end of its sequence; retire the
+    /// Sample where a chunk reached the end of its sequence (and fork the
+    /// waiting choices of a parent sampling its first token); retire the
     /// finished.
-    fn postprocess(&mut self, plan: &StepPlan) -> Vec<SeqOutput> {
+    fn postprocess(&mut self, plan: &StepPlan) -> (Vec<SeqOutput>, Vec<SeqId>) {
         let vocab = self.model.info().vocab_size;
         let mut outputs = Vec::new();
+        let mut forked = Vec::new();
         for (row, s) in plan.seqs.iter().enumerate() {
             let Some(seq) = self.requests.0.get_mut(&s.id) else {
                 continue;
@@ -328,23 +415,49 @@ impl<'a, M: BatchModel, B: KvBackend> EngineCore<'a, M, B> {
                 self.scheduler.on_step(s.id, s.len, false);
                 continue;
             }
-            let before = seq.generated_tokens();
             let logits = &mut self.logits[row * vocab..(row + 1) * vocab];
-            let step = seq.on_logits(logits, self.tok);
-            let is_token = seq.generated_tokens() > before;
-            self.scheduler.on_step(s.id, s.len, is_token);
-            let out = SeqOutput {
-                id: s.id,
-                is_token,
-                prompt_tokens: seq.prompt_tokens(),
-                completion_tokens: seq.generated_tokens(),
-                step,
-            };
-            if out.step.finish.is_some() {
+            let children = self.pending.remove(&s.id).unwrap_or_default();
+            // The choices sample from the logits as the model gave them.
+            let shared = (!children.is_empty()).then(|| logits.to_vec());
+            let out = sample(seq, s.id, logits, self.tok);
+            self.scheduler.on_step(s.id, s.len, out.is_token);
+            let parent_done = out.step.finish.is_some();
+            outputs.push(out);
+            let computed = s.start + s.len;
+            for mut c in children {
+                let fits = self.scheduler.has_running_room() && self.kv.fork(s.id, c.id);
+                if !fits {
+                    self.enqueue(c);
+                    continue;
+                }
+                self.scheduler.fork(s.id, c.id, computed);
+                let mut row = shared.clone().unwrap_or_default();
+                let o = sample(&mut c.seq, c.id, &mut row, self.tok);
+                self.scheduler.on_step(c.id, 0, o.is_token);
+                self.requests.0.insert(c.id, c.seq);
+                forked.push(c.id);
+                if o.step.finish.is_some() {
+                    self.abort(c.id);
+                }
+                outputs.push(o);
+            }
+            if parent_done {
                 self.abort(s.id);
             }
-            outputs.push(out);
         }
-        outputs
+        (outputs, forked)
+    }
+}
+
+/// Sample one token of `seq` from its logits row.
+fn sample(seq: &mut Sequence, id: SeqId, logits: &mut [f32], tok: &Tokenizer) -> SeqOutput {
+    let before = seq.generated_tokens();
+    let step = seq.on_logits(logits, tok);
+    SeqOutput {
+        id,
+        is_token: seq.generated_tokens() > before,
+        prompt_tokens: seq.prompt_tokens(),
+        completion_tokens: seq.generated_tokens(),
+        step,
     }
 }

@@ -40,7 +40,9 @@ use crate::stats::StepStats;
 struct Job {
     prompt: Vec<u32>,
     params: GenerateParams,
-    events: mpsc::UnboundedSender<EngineEvent>,
+    /// One per choice (`n`).
+    events: Vec<mpsc::UnboundedSender<EngineEvent>>,
+    salt: Vec<u8>,
     arrival: Instant,
 }
 
@@ -148,36 +150,50 @@ impl Engine for ContinuousEngine {
         self.shared.gauges.load()
     }
 
+    /// One choice (`request.n` is read by `submit_choices`).
     fn submit(&self, request: EngineRequest) -> Result<EngineStream, EngineError> {
+        let request = EngineRequest { n: 1, ..request };
+        let mut streams = self.submit_choices(request)?;
+        streams
+            .pop()
+            .ok_or_else(|| EngineError::Internal("no stream for the request".into()))
+    }
+
+    /// `n` choices share the prompt's computation and K/V (see
+    /// [`EngineCore::add_choices`]); each counts as a request in the gauges.
+    fn submit_choices(&self, request: EngineRequest) -> Result<Vec<EngineStream>, EngineError> {
         self.shared.gauges.check_open()?;
         let Some(queue) = &self.queue else {
             return Err(EngineError::Unavailable(
                 "the server is shutting down".into(),
             ));
         };
+        let n = request.n.max(1);
+        let salt = request.cache_salt.clone().unwrap_or_default().into_bytes();
         let Prepared { prompt, params } = self.input.prepare(request)?;
         let gauges = &self.shared.gauges;
-        let waiting = gauges.waiting.fetch_add(1, Ordering::SeqCst);
-        if waiting >= self.config.max_waiting {
-            gauges.waiting.fetch_sub(1, Ordering::SeqCst);
+        let waiting = gauges.waiting.fetch_add(n, Ordering::SeqCst);
+        if waiting + n > self.config.max_waiting {
+            gauges.waiting.fetch_sub(n, Ordering::SeqCst);
             // Each running slot frees in about one request's service time.
             let ahead = waiting as f64 / self.config.max_num_seqs.max(1) as f64;
             return Err(gauges.queue_full(waiting, ahead.max(1.0)));
         }
-        let (events, rx) = mpsc::unbounded_channel();
+        let (events, streams) = (0..n).map(|_| mpsc::unbounded_channel()).unzip();
         let job = Job {
             prompt,
             params,
             events,
+            salt,
             arrival: Instant::now(),
         };
         if queue.send(job).is_err() {
-            gauges.waiting.fetch_sub(1, Ordering::SeqCst);
+            gauges.waiting.fetch_sub(n, Ordering::SeqCst);
             return Err(EngineError::Unavailable(
                 "the model thread has stopped".into(),
             ));
         }
-        Ok(rx)
+        Ok(streams)
     }
 
     fn abort_all(&self) {
@@ -236,29 +252,36 @@ fn model_thread<M: BatchModel, B: KvBackend>(
             .into_iter()
             .chain(std::iter::from_fn(|| queue.try_recv().ok()))
         {
-            let id = next_id;
-            next_id += 1;
-            match core.add(id, &job.prompt, &job.params) {
+            let n = job.events.len();
+            let ids: Vec<SeqId> = (next_id..next_id + n as SeqId).collect();
+            next_id += n as SeqId;
+            match core.add_choices(&ids, &job.prompt, &job.params, &job.salt) {
                 Ok(true) => {
-                    clients.insert(
-                        id,
-                        Client {
-                            events: job.events,
-                            arrival: job.arrival,
-                            running: false,
-                        },
-                    );
+                    for (id, events) in ids.into_iter().zip(job.events) {
+                        let running = false;
+                        let arrival = job.arrival;
+                        clients.insert(
+                            id,
+                            Client {
+                                events,
+                                arrival,
+                                running,
+                            },
+                        );
+                    }
                 }
                 Ok(false) => {
-                    gauges.waiting.fetch_sub(1, Ordering::SeqCst);
-                    let _ = job.events.send(EngineEvent::Done {
-                        finish: Finish::Length,
-                        prompt_tokens: job.prompt.len(),
-                        completion_tokens: 0,
-                    });
+                    gauges.waiting.fetch_sub(n, Ordering::SeqCst);
+                    for events in job.events {
+                        let _ = events.send(EngineEvent::Done {
+                            finish: Finish::Length,
+                            prompt_tokens: job.prompt.len(),
+                            completion_tokens: 0,
+                        });
+                    }
                 }
                 Err(e) => {
-                    gauges.waiting.fetch_sub(1, Ordering::SeqCst);
+                    gauges.waiting.fetch_sub(n, Ordering::SeqCst);
                     let err = match e {
                         AddError::Request(e) => engine_error(e),
                         AddError::Scheduler(e) => EngineError::InvalidRequest {
@@ -266,7 +289,9 @@ fn model_thread<M: BatchModel, B: KvBackend>(
                             param: Some("max_tokens".into()),
                         },
                     };
-                    let _ = job.events.send(EngineEvent::Error(err));
+                    for events in job.events {
+                        let _ = events.send(EngineEvent::Error(err.clone()));
+                    }
                 }
             }
         }
@@ -308,7 +333,7 @@ fn model_thread<M: BatchModel, B: KvBackend>(
 
 /// Running and waiting gauges from the step's admissions and preemptions.
 fn update_gauges(gauges: &EngineGauges, clients: &mut HashMap<SeqId, Client>, out: &StepOutput) {
-    for id in &out.plan.admitted {
+    for id in out.plan.admitted.iter().chain(&out.forked) {
         if let Some(c) = clients.get_mut(id) {
             c.running = true;
             gauges.waiting.fetch_sub(1, Ordering::SeqCst);

@@ -39,6 +39,14 @@ pub trait KvAllocator {
     /// Release everything the sequence holds.
     fn free(&mut self, id: SeqId);
 
+    /// Give `child` (holding nothing) the K/V of running `parent`, for
+    /// parallel sampling: a paged backend shares the blocks (copy-on-write),
+    /// a contiguous one copies. False (nothing changed) when memory is
+    /// short; the child then computes the prompt itself.
+    fn fork(&mut self, _parent: SeqId, _child: SeqId) -> bool {
+        false
+    }
+
     /// Positions the whole memory holds: a sequence longer than this can
     /// never run, even alone.
     fn capacity_positions(&self) -> usize;
@@ -57,6 +65,17 @@ pub trait KvBackend: KvAllocator {
     /// After a step: the first `computed` of `tokens` have their K/V (a
     /// paged backend caches full blocks here).
     fn commit(&mut self, _id: SeqId, _tokens: &[u32], _computed: usize) {}
+
+    /// A new request's prefix-cache salt (`cache_salt`), kept until
+    /// [`KvBackend::release`]: only requests with the same salt share
+    /// cached K/V. Backends without a prefix cache ignore it.
+    fn set_salt(&mut self, _id: SeqId, _salt: &[u8]) {}
+
+    /// The request is gone for good (finished or cancelled): free its K/V
+    /// and forget its salt. (Plain `free` is a preemption: it comes back.)
+    fn release(&mut self, id: SeqId) {
+        self.free(id);
+    }
 
     /// Bytes held by running sequences, and the budget.
     fn used_bytes(&self) -> usize;
@@ -142,6 +161,15 @@ impl KvAllocator for ContiguousAllocator {
         self.allocated.remove(&id);
     }
 
+    fn fork(&mut self, parent: SeqId, child: SeqId) -> bool {
+        let need = self.allocated(parent);
+        if need == 0 || need > self.free_positions() || self.allocated.contains_key(&child) {
+            return false;
+        }
+        self.allocated.insert(child, need);
+        true
+    }
+
     fn capacity_positions(&self) -> usize {
         self.capacity
     }
@@ -194,6 +222,18 @@ impl KvAllocator for ContiguousKv {
     fn free(&mut self, id: SeqId) {
         self.alloc.free(id);
         self.caches.remove(&id);
+    }
+
+    /// A copy of the parent's cache: what pages avoid.
+    fn fork(&mut self, parent: SeqId, child: SeqId) -> bool {
+        let Some(copy) = self.caches.get(&parent).cloned() else {
+            return false;
+        };
+        if !self.alloc.fork(parent, child) {
+            return false;
+        }
+        self.caches.insert(child, copy);
+        true
     }
 
     fn capacity_positions(&self) -> usize {

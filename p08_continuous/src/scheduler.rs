@@ -294,6 +294,35 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Whether one more sequence may run now (parallel sampling's children
+    /// join the running set only within `max_num_seqs`).
+    pub fn has_running_room(&self) -> bool {
+        self.running.len() < self.config.max_num_seqs
+    }
+
+    /// Run `child` beside running `parent` from the same `computed` tokens,
+    /// whose K/V the caller has forked (a child of parallel sampling skips
+    /// the prompt). False (nothing changed) when `parent` is not running,
+    /// `child` is known or the running set is full.
+    pub fn fork(&mut self, parent: SeqId, child: SeqId, computed: usize) -> bool {
+        if !self.has_running_room() || self.find(child).is_some() {
+            return false;
+        }
+        let Some(p) = self.running.iter().find(|e| e.id == parent) else {
+            return false;
+        };
+        let entry = Entry {
+            id: child,
+            num_tokens: computed,
+            computed,
+            passed_over: 0,
+            preemptions: 0,
+            ..p.clone()
+        };
+        self.running.push(entry);
+        true
+    }
+
     /// Forget a sequence (finished or cancelled); the caller frees its memory.
     pub fn remove(&mut self, id: SeqId) -> Option<Entry> {
         if let Some(i) = self.running.iter().position(|e| e.id == id) {

@@ -3,6 +3,8 @@
 //! tokens its cached prefix already covers, and each step reads and writes
 //! through block tables.
 
+use std::collections::HashMap;
+
 use common::batch::KvShape;
 use p08_continuous::kv_backend::{Chunk, KvAllocator, KvBackend, KvMetric};
 use p08_continuous::scheduler::SeqId;
@@ -14,6 +16,8 @@ use crate::paged_store::PagedStore;
 #[derive(Debug)]
 pub struct PagedKv {
     m: KvManager,
+    /// Requests' `cache_salt`s, kept across preemptions.
+    salts: HashMap<SeqId, Vec<u8>>,
 }
 
 impl PagedKv {
@@ -25,13 +29,14 @@ impl PagedKv {
         prefix_caching: bool,
     ) -> Result<PagedKv, PoolError> {
         let pool = BlockPool::with_bytes(shape, block_size, bytes)?;
-        Ok(PagedKv {
-            m: KvManager::new(pool, prefix_caching),
-        })
+        Ok(PagedKv::from_manager(KvManager::new(pool, prefix_caching)))
     }
 
     pub fn from_manager(m: KvManager) -> PagedKv {
-        PagedKv { m }
+        PagedKv {
+            m,
+            salts: HashMap::new(),
+        }
     }
 
     pub fn manager(&self) -> &KvManager {
@@ -43,7 +48,8 @@ impl KvAllocator for PagedKv {
     fn admit(&mut self, id: SeqId, tokens: &[u32], max_len: usize) -> Option<usize> {
         // Room for the known tokens and the first decode (one block at a time after).
         let reserve = (tokens.len() + 1).min(max_len.max(tokens.len()));
-        self.m.admit(id, tokens, b"", reserve)
+        let salt = self.salts.get(&id).map_or(&[][..], Vec::as_slice);
+        self.m.admit(id, tokens, salt, reserve)
     }
 
     fn grow(&mut self, id: SeqId, start: usize, end: usize, _max_len: usize) -> bool {
@@ -52,6 +58,12 @@ impl KvAllocator for PagedKv {
 
     fn free(&mut self, id: SeqId) {
         self.m.free(id);
+    }
+
+    /// The child shares every block; the partial last one is copied when
+    /// either writes into it.
+    fn fork(&mut self, parent: SeqId, child: SeqId) -> bool {
+        self.m.fork(parent, child)
     }
 
     fn capacity_positions(&self) -> usize {
@@ -70,6 +82,17 @@ impl KvBackend for PagedKv {
 
     fn commit(&mut self, id: SeqId, tokens: &[u32], computed: usize) {
         self.m.commit(id, tokens, computed);
+    }
+
+    fn set_salt(&mut self, id: SeqId, salt: &[u8]) {
+        if !salt.is_empty() {
+            self.salts.insert(id, salt.to_vec());
+        }
+    }
+
+    fn release(&mut self, id: SeqId) {
+        self.salts.remove(&id);
+        self.m.free(id);
     }
 
     fn used_bytes(&self) -> usize {

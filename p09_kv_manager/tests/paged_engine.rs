@@ -195,3 +195,144 @@ fn many_requests_in_a_tiny_pool_all_finish_unchanged() {
     assert_eq!(core.kv().manager().used_blocks(), 0);
     eprintln!("{preempted} preemptions, outputs unchanged");
 }
+
+/// Sampled (not greedy), fixed length: choices differ, so a choice that
+/// read another's K/V would show it.
+fn sampled(max_tokens: usize, seed: u64) -> GenerateParams {
+    let mut p = GenerateParams::greedy(max_tokens);
+    p.sampling.temperature = 0.9;
+    p.sampling.seed = seed;
+    p
+}
+
+/// Run one request of `ids.len()` choices to the end: each choice's tokens,
+/// and the most K/V bytes held at once.
+fn run_choices<B: p08_continuous::kv_backend::KvBackend>(
+    core: &mut EngineCore<'_, LlamaEngine, B>,
+    ids: &[SeqId],
+    prompt: &[u32],
+    params: &GenerateParams,
+) -> (Vec<Vec<u32>>, usize) {
+    assert!(core.add_choices(ids, prompt, params, b"").unwrap());
+    let mut got: HashMap<SeqId, Vec<u32>> = HashMap::new();
+    let mut peak = 0;
+    for _ in 0..1000 {
+        let out = core.step();
+        assert!(out.failed.is_empty(), "{:?}", out.failed);
+        peak = peak.max(core.kv_bytes());
+        for o in &out.outputs {
+            if o.is_token {
+                got.entry(o.id).or_default().push(o.step.token);
+            }
+        }
+        if !core.has_work() {
+            return (ids.iter().map(|i| got.remove(i).unwrap()).collect(), peak);
+        }
+    }
+    panic!("the choices did not finish");
+}
+
+#[test]
+fn parallel_samples_share_the_prompt_and_each_is_its_own_request() {
+    let m = smollm2();
+    // 40 tokens: two full blocks and a shared partial one, which each
+    // choice copies before its first write.
+    let prompt = text_ids(&m.tok, 40, "Fork");
+    let ids = [10, 11, 12, 13];
+    let params = sampled(12, 42);
+    let mut core =
+        EngineCore::with_backend(&m.engine, &m.tok, &config(64, 8), paged(64, None)).unwrap();
+    let (paged_out, paged_peak) = run_choices(&mut core, &ids, &prompt, &params);
+    assert_eq!(core.kv().manager().used_blocks(), 0, "every block returned");
+    // Choice i is the request `n = 1` with seed 42 + i, run alone.
+    for (i, got) in paged_out.iter().enumerate() {
+        let want = generate(
+            &m.engine,
+            &m.tok,
+            &prompt,
+            &sampled(12, 42 + i as u64),
+            |_| {},
+        )
+        .unwrap()
+        .tokens;
+        assert_eq!(got, &want, "choice {i}");
+    }
+    assert!(paged_out.windows(2).any(|w| w[0] != w[1]), "choices differ");
+    // 52 positions = 4 blocks each if separate (16); forked: the two full
+    // prompt blocks are shared, each choice holds 2 of its own (10).
+    let block = core.kv().manager().pool().block_bytes();
+    assert_eq!(paged_peak, 10 * block);
+    // The contiguous backend copies the prompt's K/V per choice: same
+    // outputs, more memory.
+    let mut core = EngineCore::new(
+        &m.engine,
+        &m.tok,
+        &ContinuousConfig {
+            kv_cache_bytes: 64 << 20,
+            ..config(64, 8)
+        },
+    )
+    .unwrap();
+    let (contiguous_out, contiguous_peak) = run_choices(&mut core, &ids, &prompt, &params);
+    assert_eq!(contiguous_out, paged_out);
+    assert!(
+        contiguous_peak > paged_peak,
+        "{contiguous_peak} vs {paged_peak}"
+    );
+}
+
+#[test]
+fn choices_that_cannot_fork_compute_their_prompt_and_match() {
+    let m = smollm2();
+    let prompt = text_ids(&m.tok, 40, "Fork");
+    let params = sampled(8, 7);
+    // Two running sequences at most: one choice forks, two wait and compute
+    // the prompt themselves (from the prefix cache's two full blocks).
+    let mut core =
+        EngineCore::with_backend(&m.engine, &m.tok, &config(64, 2), paged(64, None)).unwrap();
+    let (out, _) = run_choices(&mut core, &[0, 1, 2, 3], &prompt, &params);
+    for (i, got) in out.iter().enumerate() {
+        let want = generate(
+            &m.engine,
+            &m.tok,
+            &prompt,
+            &sampled(8, 7 + i as u64),
+            |_| {},
+        )
+        .unwrap()
+        .tokens;
+        assert_eq!(got, &want, "choice {i}");
+    }
+    assert_eq!(core.kv().manager().prefix_stats().hits, 2 * 2 * 16);
+}
+
+#[test]
+fn a_cache_salt_keeps_prefixes_apart() {
+    let m = smollm2();
+    let prompt = text_ids(&m.tok, 40, "Salt");
+    let params = GenerateParams::greedy(4);
+    let mut core =
+        EngineCore::with_backend(&m.engine, &m.tok, &config(64, 4), paged(64, None)).unwrap();
+    let mut hits = Vec::new();
+    let want = alone(m, &prompt, 4);
+    for (id, salt) in [(0, "tenant-a"), (1, "tenant-b"), (2, "tenant-a"), (3, "")] {
+        assert!(core
+            .add_choices(&[id], &prompt, &params, salt.as_bytes())
+            .unwrap());
+        let mut got = Vec::new();
+        while core.has_work() {
+            let out = core.step();
+            got.extend(
+                out.outputs
+                    .iter()
+                    .filter(|o| o.is_token)
+                    .map(|o| o.step.token),
+            );
+        }
+        assert_eq!(got, want, "request {id}");
+        hits.push(core.kv().manager().prefix_stats().hits);
+    }
+    // Only the second "tenant-a" request hits (two full blocks); "tenant-b"
+    // and the unsalted one start cold.
+    assert_eq!(hits, vec![0, 0, 32, 32]);
+}

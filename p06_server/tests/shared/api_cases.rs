@@ -294,8 +294,10 @@ async fn bad_requests_get_openai_error_bodies_naming_the_problem() {
     assert_eq!((s, e["param"].as_str()), (400, Some("max_tokens")));
     let (s, e) = error_of(&srv, chat, &chat_body(json!({"temperature": -1}))).await;
     assert_eq!((s, e["param"].as_str()), (400, Some("temperature")));
-    let (s, e) = error_of(&srv, chat, &chat_body(json!({"n": 3}))).await;
+    let (s, e) = error_of(&srv, chat, &chat_body(json!({"n": 17}))).await;
     assert_eq!((s, e["param"].as_str()), (400, Some("n")));
+    let (s, e) = error_of(&srv, chat, &chat_body(json!({"cache_salt": ""}))).await;
+    assert_eq!((s, e["param"].as_str()), (400, Some("cache_salt")));
     let (s, e) = error_of(&srv, chat, &chat_body(json!({"messages": []}))).await;
     assert_eq!((s, e["param"].as_str()), (400, Some("messages")));
     let (s, e) = error_of(&srv, chat, &chat_body(json!({"max_tokens": 9000}))).await;
