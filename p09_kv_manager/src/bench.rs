@@ -19,6 +19,7 @@ use anyhow::Result;
 use clap::Args;
 use common::batch::{Batch, BatchModel, KvShape};
 use common::numbers::{command_line, Recorder, Row};
+use common::plot::{line_chart, Labels, Scale, Series};
 use common::rng::Rng;
 use common::stats::{time_it, BenchConfig};
 use p05_kv_cache::generate::GenerateParams;
@@ -135,6 +136,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let (engine, tok) = load_model(&a.model)?;
     let shape = engine.kv_shape();
     let per_pos = shape.bytes_per_position();
+    plots(&mix, a.max_tokens, per_pos)?;
     let budget_pos = (a.budget_mib << 20) / per_pos;
     let fit = |alloc: usize| budget_pos as f64 / (alloc as f64 / a.mix as f64);
     // A static slot per sequence, sized for the longest the workload allows
@@ -388,4 +390,65 @@ fn decode_step_times(
     }
     let med = |v: &[f64]| common::stats::summarize(v).median * 1e3;
     Ok((med(&ca), med(&pa)))
+}
+
+/// Two plots from the length mix alone: K/V memory held as sequences are
+/// admitted (paged, reserving, static slots), and fragmentation against the
+/// block size (small blocks waste less, but each is a run the attention
+/// reads and a table entry).
+fn plots(mix: &[(usize, usize)], max_tokens: usize, per_pos: usize) -> Result<()> {
+    let dir = common::assets::workspace_root().join("p09_kv_manager/plots");
+    std::fs::create_dir_all(&dir)?;
+    let gib = per_pos as f64 / (1u64 << 30) as f64;
+    let slot = mix.iter().map(|(p, _)| p + max_tokens).max().unwrap_or(0);
+    let cumulative = |name: &str, each: &dyn Fn(usize, usize) -> usize| {
+        let mut sum = 0;
+        let pts = mix
+            .iter()
+            .take(200)
+            .enumerate()
+            .map(|(i, &(p, o))| {
+                sum += each(p, o);
+                ((i + 1) as f64, sum as f64 * gib)
+            })
+            .collect();
+        Series::new(name, pts)
+    };
+    line_chart(
+        &dir.join("memory_vs_sequences.png"),
+        Labels {
+            title: "K/V memory held vs sequences admitted (SmolLM2 f32, the length mix)",
+            x: "sequences",
+            y: "GiB",
+        },
+        &[
+            cumulative("paged, block 16", &|p, o| (p + o).div_ceil(16) * 16),
+            cumulative("contiguous, prompt + max_tokens", &|p, _| p + max_tokens),
+            cumulative(&format!("static {slot}-position slots"), &|_, _| slot),
+            cumulative("tokens stored", &|p, o| p + o),
+        ],
+        Scale::Linear,
+    )
+    .map_err(anyhow::Error::msg)?;
+    let stored: usize = mix.iter().map(|(p, o)| p + o).sum();
+    let frag: Vec<(f64, f64)> = [1usize, 4, 8, 16, 32, 64, 128, 256]
+        .iter()
+        .map(|&bs| {
+            let alloc: usize = mix.iter().map(|(p, o)| (p + o).div_ceil(bs) * bs).sum();
+            (bs as f64, (alloc - stored) as f64 / alloc as f64 * 100.0)
+        })
+        .collect();
+    line_chart(
+        &dir.join("fragmentation_vs_block_size.png"),
+        Labels {
+            title: "Internal fragmentation vs block size (the length mix)",
+            x: "block size (positions)",
+            y: "% of allocated slots empty",
+        },
+        &[Series::new("paged", frag)],
+        Scale::LogX,
+    )
+    .map_err(anyhow::Error::msg)?;
+    println!("   plots: {}", dir.display());
+    Ok(())
 }
