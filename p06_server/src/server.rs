@@ -145,9 +145,22 @@ impl Engine for LoadingEngine {
         }
     }
 
+    fn submit_choices(&self, request: EngineRequest) -> Result<Vec<EngineStream>, EngineError> {
+        match self.inner.get() {
+            Some(e) => e.submit_choices(request),
+            None => Err(EngineError::Unavailable("the model is loading".into())),
+        }
+    }
+
     fn abort_all(&self) {
         if let Some(e) = self.inner.get() {
             e.abort_all();
+        }
+    }
+
+    fn extra_metrics(&self, out: &mut String) {
+        if let Some(e) = self.inner.get() {
+            e.extra_metrics(out);
         }
     }
 }
@@ -249,4 +262,68 @@ where
         }
     });
     state
+}
+
+#[cfg(test)]
+mod tests {
+    use common::engine::PromptInput;
+
+    use super::*;
+
+    /// Answers every method recognisably.
+    #[derive(Debug)]
+    struct Fake;
+
+    impl Engine for Fake {
+        fn model_name(&self) -> &str {
+            "fake"
+        }
+        fn context_length(&self) -> Option<usize> {
+            Some(7)
+        }
+        fn load(&self) -> EngineLoad {
+            EngineLoad {
+                running: 1,
+                waiting: 2,
+                kv_cache_bytes: 3,
+            }
+        }
+        fn submit(&self, _: EngineRequest) -> Result<EngineStream, EngineError> {
+            Err(EngineError::Internal("submit".into()))
+        }
+        fn submit_choices(&self, r: EngineRequest) -> Result<Vec<EngineStream>, EngineError> {
+            Err(EngineError::Internal(format!("choices {}", r.n)))
+        }
+        fn abort_all(&self) {}
+        fn extra_metrics(&self, out: &mut String) {
+            out.push_str("fake_metric 1\n");
+        }
+    }
+
+    #[test]
+    fn a_loading_engine_forwards_every_method_once_set() {
+        let e = LoadingEngine::new("m");
+        let req = || EngineRequest {
+            n: 3,
+            ..EngineRequest::new("x", PromptInput::Text("hi".into()))
+        };
+        let unavailable = |r: Result<Vec<EngineStream>, EngineError>| {
+            matches!(r, Err(EngineError::Unavailable(_)))
+        };
+        assert!(unavailable(e.submit_choices(req())));
+        e.set(Arc::new(Fake));
+        assert_eq!(e.context_length(), Some(7));
+        assert_eq!(e.load().kv_cache_bytes, 3);
+        assert_eq!(
+            e.submit(req()).unwrap_err(),
+            EngineError::Internal("submit".into())
+        );
+        assert_eq!(
+            e.submit_choices(req()).unwrap_err(),
+            EngineError::Internal("choices 3".into())
+        );
+        let mut out = String::new();
+        e.extra_metrics(&mut out);
+        assert_eq!(out, "fake_metric 1\n");
+    }
 }
