@@ -61,6 +61,12 @@ impl Recorder {
         }
     }
 
+    /// Add to the machine column (e.g. which kernel path ran).
+    pub fn machine_note(mut self, note: &str) -> Self {
+        self.machine = format!("{}, {note}", self.machine);
+        self
+    }
+
     /// The workspace's `numbers.md`.
     pub fn for_workspace(command: impl Into<String>) -> Self {
         Self::new(crate::assets::workspace_root().join("numbers.md"), command)

@@ -179,6 +179,98 @@ impl PackedB {
         ))
     }
 
+    /// Pack W (out_f, in_f), used as B = Wᵀ, from a producer of its rows:
+    /// `rows(j0, count, buf)` writes W's rows j0..j0 + count (row-major,
+    /// `count` ≤ the kernel's NR) into `buf`. A weight stored in another
+    /// format (Project 10's quantised blocks) expands each row once,
+    /// straight into the packed layout, with no f32 copy of W in between;
+    /// slivers are filled on up to `threads` threads.
+    pub fn from_weight_rows(
+        out_f: usize,
+        in_f: usize,
+        threads: usize,
+        rows: impl Fn(usize, usize, &mut [f32]) + Sync,
+    ) -> PackedB {
+        PackedB::from_weight_rows_in(AlignedBuf::default(), out_f, in_f, threads, rows)
+    }
+
+    /// [`PackedB::from_weight_rows`] into a recycled buffer (see
+    /// [`PackedB::into_buf`]): a product that packs per call then faults in
+    /// no fresh pages.
+    pub fn from_weight_rows_in(
+        mut buf: AlignedBuf,
+        out_f: usize,
+        in_f: usize,
+        threads: usize,
+        rows: impl Fn(usize, usize, &mut [f32]) + Sync,
+    ) -> PackedB {
+        let kernel = MicroKernel::best();
+        let (k, n) = (in_f, out_f);
+        let (nr, kc, nc) = (kernel.nr, kernel.kc, kernel.nc);
+        debug_assert_eq!(nc % nr, 0, "panels hold whole slivers");
+        let pcs: Vec<(usize, usize)> = blocks(k, kc, 1).collect();
+        let mut offsets = Vec::new();
+        let mut total = 0;
+        for jc in (0..n).step_by(nc) {
+            for &(_, kcb) in &pcs {
+                offsets.push(total);
+                total += (nc.min(n - jc)).div_ceil(nr) * kcb * nr;
+            }
+        }
+        let data = SendPtr(buf.get(total).as_mut_ptr());
+        // One sliver: NR weight rows, written into every K block's panel
+        // (columns past N stay zero, as `pack_b` leaves them).
+        let fill = |sliver: usize, w: &mut Vec<f32>| {
+            let j0 = sliver * nr;
+            let count = nr.min(n - j0);
+            w.clear();
+            w.resize(nr * k, 0.0);
+            rows(j0, count, &mut w[..count * k]);
+            let (jci, s) = (j0 / nc, (j0 % nc) / nr);
+            for (pci, &(pc, kcb)) in pcs.iter().enumerate() {
+                let base = offsets[jci * pcs.len() + pci] + s * kcb * nr;
+                // SAFETY: `base..base + kcb * nr` is this sliver's part of
+                // panel (jci, pci), inside the `total` floats allocated; no
+                // other sliver writes it, and `buf` outlives the threads.
+                let dst = unsafe { std::slice::from_raw_parts_mut(data.get().add(base), kcb * nr) };
+                for (p, d) in dst.chunks_exact_mut(nr).enumerate() {
+                    for (c, v) in d.iter_mut().enumerate() {
+                        *v = w[c * k + pc + p];
+                    }
+                }
+            }
+        };
+        let slivers: Vec<usize> = (0..n.div_ceil(nc))
+            .flat_map(|jci| {
+                let first = jci * nc / nr;
+                first..first + (nc.min(n - jci * nc)).div_ceil(nr)
+            })
+            .collect();
+        let parts = threads.clamp(1, slivers.len().max(1));
+        if parts == 1 {
+            let mut w = Vec::new();
+            slivers.iter().for_each(|&s| fill(s, &mut w));
+        } else {
+            let chunk = slivers.len().div_ceil(parts);
+            slivers.par_chunks(chunk).for_each(|c| {
+                let mut w = Vec::new();
+                c.iter().for_each(|&s| fill(s, &mut w));
+            });
+        }
+        PackedB {
+            k,
+            n,
+            kernel,
+            buf,
+            offsets,
+        }
+    }
+
+    /// The packing buffer, to reuse.
+    pub fn into_buf(self) -> AlignedBuf {
+        self.buf
+    }
+
     pub fn rows(&self) -> usize {
         self.k
     }

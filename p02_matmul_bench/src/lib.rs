@@ -22,7 +22,7 @@ pub mod sweep;
 pub mod sweep_mlp;
 pub mod variants;
 
-pub use gemm::{linear, sgemm, sgemm_prepacked, sgemm_with, GemmOpts, PackedB};
+pub use gemm::{linear, sgemm, sgemm_prepacked, sgemm_with, AlignedBuf, GemmOpts, PackedB};
 pub use kernels::MicroKernel;
 pub use mat::{MatMut, MatRef};
 

@@ -373,3 +373,34 @@ fn prepacked_b_matches_reference() {
     );
     assert!(matches!(e, Err(GemmError::Shape { .. })));
 }
+
+/// Packing from a row producer gives the same products as packing the f32
+/// matrix, bit for bit, for shapes with ragged slivers, panels and K blocks.
+#[test]
+fn packing_from_weight_rows_equals_packing_the_matrix() {
+    use p02_matmul_bench::{sgemm_prepacked, PackedB};
+    for (out_f, in_f, rows) in [(3, 2, 1), (17, 33, 5), (700, 1100, 9), (64, 576, 16)] {
+        let w: Vec<f32> = (0..out_f * in_f)
+            .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        let x: Vec<f32> = (0..rows * in_f)
+            .map(|i| ((i * 31) % 97) as f32 / 50.0 - 1.0)
+            .collect();
+        let a = PackedB::linear_weight(&w, out_f, in_f).unwrap();
+        let b = PackedB::from_weight_rows(out_f, in_f, 2, |j0, count, buf| {
+            buf.copy_from_slice(&w[j0 * in_f..(j0 + count) * in_f])
+        });
+        let run = |p: &PackedB| {
+            let mut y = vec![0.0f32; rows * out_f];
+            sgemm_prepacked(
+                MatRef::row_major(&x, rows, in_f).unwrap(),
+                p,
+                &mut MatMut::row_major(&mut y, rows, out_f).unwrap(),
+                GemmOpts::default(),
+            )
+            .unwrap();
+            y
+        };
+        assert_eq!(run(&a), run(&b), "{out_f}x{in_f}");
+    }
+}

@@ -39,4 +39,7 @@ pub enum ModelError {
     },
     #[error("matmul: {0}")]
     Gemm(#[from] p02_matmul_bench::GemmError),
+    /// A weight format refused a tensor or an input (Project 10's blocks).
+    #[error("weights `{name}`: {msg}")]
+    Weights { name: String, msg: String },
 }

@@ -17,6 +17,7 @@ pub mod inspect;
 pub mod llama;
 pub mod model;
 pub mod model_file;
+pub mod proj;
 pub mod prompt;
 pub mod tokenizer;
 pub mod trace;
@@ -28,6 +29,7 @@ pub use gguf::{GgufError, GgufHeader, TensorInfo, Value};
 pub use gpt2::{Gpt2, Gpt2Config};
 pub use llama::{Llama, LlamaConfig};
 pub use model_file::GgufFile;
+pub use proj::{LinearWeights, Proj, ProjLoader};
 pub use prompt::{PromptBuilder, PromptError};
 pub use tokenizer::Tokenizer;
 

@@ -9,6 +9,7 @@ use common::Tensor;
 
 use crate::error::ModelError;
 use crate::model_file::GgufFile;
+pub use crate::proj::{F32Weights, LinearWeights, Proj, ProjLoader};
 use crate::weights::{HfDir, Source};
 
 /// Hyper-parameters (names follow the Llama paper / HF config).
@@ -26,62 +27,6 @@ pub struct LlamaConfig {
     pub rope_theta: f32,
     pub rms_norm_eps: f32,
     pub max_seq: usize,
-}
-
-/// A projection y = x W^T with W (out, in) packed once at load for p02's
-/// micro-kernel (packing per call would cost as much as the matmul itself
-/// when only a few dozen rows pass through).
-#[derive(Debug)]
-pub struct Proj {
-    packed: p02_matmul_bench::PackedB,
-}
-
-impl Proj {
-    /// Pack W (out, in).
-    pub fn new(w: &[f32], out_f: usize, in_f: usize) -> Result<Proj, ModelError> {
-        Ok(Proj {
-            packed: p02_matmul_bench::PackedB::linear_weight(w, out_f, in_f)?,
-        })
-    }
-
-    pub fn out_features(&self) -> usize {
-        self.packed.cols()
-    }
-
-    pub fn in_features(&self) -> usize {
-        self.packed.rows()
-    }
-
-    /// x (rows, in) -> (rows, out).
-    pub fn apply(&self, x: &[f32], rows: usize, threads: usize) -> Result<Vec<f32>, ModelError> {
-        let mut y = vec![0.0f32; rows * self.out_features()];
-        self.apply_into(x, rows, &mut y, threads)?;
-        Ok(y)
-    }
-
-    /// x (rows, in) -> y (rows, out), into a caller-owned buffer (no allocation
-    /// once p02's packing buffers are warm, on one thread).
-    pub fn apply_into(
-        &self,
-        x: &[f32],
-        rows: usize,
-        y: &mut [f32],
-        threads: usize,
-    ) -> Result<(), ModelError> {
-        use p02_matmul_bench::{sgemm_prepacked, GemmOpts, MatMut, MatRef};
-        let (k, n) = (self.packed.rows(), self.packed.cols());
-        let a = MatRef::row_major(x, rows, k)?;
-        sgemm_prepacked(
-            a,
-            &self.packed,
-            &mut MatMut::row_major(y, rows, n)?,
-            GemmOpts {
-                threads,
-                ..GemmOpts::default()
-            },
-        )?;
-        Ok(())
-    }
 }
 
 /// Where forward time goes.
@@ -133,25 +78,40 @@ pub struct Llama {
 
 /// GGUF stores Q and K rows permuted for llama.cpp's interleaved RoPE: per
 /// head, HF row (j, r) (j in {0, 1} halves, r < head_dim/2) sits at GGUF row
-/// (r, j). Undo it so the HF rotate-half RoPE applies.
-pub fn unpermute_qk(w: &[f32], n_head: usize, head_dim: usize, cols: usize) -> Vec<f32> {
+/// (r, j). For each HF row, the GGUF row it comes from.
+pub fn qk_row_source(n_head: usize, head_dim: usize) -> Vec<usize> {
     let half = head_dim / 2;
-    let mut out = vec![0.0f32; w.len()];
+    let mut src = vec![0; n_head * head_dim];
     for h in 0..n_head {
         for j in 0..2 {
             for r in 0..half {
-                let src = (h * head_dim + 2 * r + j) * cols;
-                let dst = (h * head_dim + j * half + r) * cols;
-                out[dst..dst + cols].copy_from_slice(&w[src..src + cols]);
+                src[h * head_dim + j * half + r] = h * head_dim + 2 * r + j;
             }
         }
+    }
+    src
+}
+
+/// Undo GGUF's Q/K row permutation (see [`qk_row_source`]) so the HF
+/// rotate-half RoPE applies.
+pub fn unpermute_qk(w: &[f32], n_head: usize, head_dim: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; w.len()];
+    for (dst, src) in qk_row_source(n_head, head_dim).into_iter().enumerate() {
+        out[dst * cols..(dst + 1) * cols].copy_from_slice(&w[src * cols..(src + 1) * cols]);
     }
     out
 }
 
 impl Llama {
-    /// Load from a GGUF file (architecture `llama`).
+    /// Load from a GGUF file (architecture `llama`), every weight
+    /// dequantised to f32.
     pub fn from_gguf(f: &GgufFile) -> Result<Llama, ModelError> {
+        Llama::from_gguf_with(f, &F32Weights)
+    }
+
+    /// Load from a GGUF file, `loader` choosing each projection's weight
+    /// format (Project 10 keeps the file's quantised blocks).
+    pub fn from_gguf_with(f: &GgufFile, loader: &dyn ProjLoader) -> Result<Llama, ModelError> {
         let h = &f.header;
         let arch = h.get_str("general.architecture")?;
         if arch != "llama" {
@@ -183,41 +143,53 @@ impl Llama {
         validate(&cfg, &f.path)?;
         let src = Source::Gguf(f);
         let (hd, d) = (cfg.head_dim, cfg.hidden_size);
+        // A projection (out, in): in the loader's format, else f32 (Q and K
+        // rows put back in HF order either way).
+        let proj = |name: &str, out: usize, inp: usize, heads: Option<usize>| {
+            let rows = heads.map(|h| qk_row_source(h, hd));
+            if let Some(p) = loader.load(f, name, [out, inp], rows.as_deref())? {
+                if (p.out_features(), p.in_features()) != (out, inp) {
+                    return Err(ModelError::Shape {
+                        path: f.path.clone(),
+                        name: name.to_string(),
+                        expected: vec![out, inp],
+                        found: vec![p.out_features(), p.in_features()],
+                    });
+                }
+                return Ok(p);
+            }
+            let w = src.get(name, &[out, inp])?;
+            match heads {
+                Some(h) => Proj::new(&unpermute_qk(&w, h, hd, inp), out, inp),
+                None => Proj::new(&w, out, inp),
+            }
+        };
         let mut blocks = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let g = |n: &str, shape: &[usize]| src.get(&format!("blk.{i}.{n}.weight"), shape);
+            let p =
+                |n: &str, out, inp, heads| proj(&format!("blk.{i}.{n}.weight"), out, inp, heads);
             let (q, kv, ff) = (cfg.n_head * hd, cfg.n_kv_head * hd, cfg.intermediate_size);
             blocks.push(LlamaBlock {
                 attn_norm: g("attn_norm", &[d])?,
-                wq: Proj::new(
-                    &unpermute_qk(&g("attn_q", &[q, d])?, cfg.n_head, hd, d),
-                    q,
-                    d,
-                )?,
-                wk: Proj::new(
-                    &unpermute_qk(&g("attn_k", &[kv, d])?, cfg.n_kv_head, hd, d),
-                    kv,
-                    d,
-                )?,
-                wv: Proj::new(&g("attn_v", &[kv, d])?, kv, d)?,
-                wo: Proj::new(&g("attn_output", &[d, q])?, d, q)?,
+                wq: p("attn_q", q, d, Some(cfg.n_head))?,
+                wk: p("attn_k", kv, d, Some(cfg.n_kv_head))?,
+                wv: p("attn_v", kv, d, None)?,
+                wo: p("attn_output", d, q, None)?,
                 ffn_norm: g("ffn_norm", &[d])?,
-                w_gate: Proj::new(&g("ffn_gate", &[ff, d])?, ff, d)?,
-                w_up: Proj::new(&g("ffn_up", &[ff, d])?, ff, d)?,
-                w_down: Proj::new(&g("ffn_down", &[d, ff])?, d, ff)?,
+                w_gate: p("ffn_gate", ff, d, None)?,
+                w_up: p("ffn_up", ff, d, None)?,
+                w_down: p("ffn_down", d, ff, None)?,
             });
         }
         let tok_embd = src.get("token_embd.weight", &[cfg.vocab_size, d])?;
         let tied = !h.tensors.iter().any(|t| t.name == "output.weight");
-        let lm_head = if tied {
-            Proj::new(&tok_embd, cfg.vocab_size, d)?
+        let head_name = if tied {
+            "token_embd.weight"
         } else {
-            Proj::new(
-                &src.get("output.weight", &[cfg.vocab_size, d])?,
-                cfg.vocab_size,
-                d,
-            )?
+            "output.weight"
         };
+        let lm_head = proj(head_name, cfg.vocab_size, d, None)?;
         Ok(Llama {
             tok_embd,
             out_norm: src.get("output_norm.weight", &[d])?,

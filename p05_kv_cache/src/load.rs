@@ -4,7 +4,8 @@
 use std::path::Path;
 
 use common::ModelInfo;
-use p04_transformer::{GgufFile, Llama, Tokenizer};
+use p04_transformer::llama::F32Weights;
+use p04_transformer::{GgufFile, Llama, ProjLoader, Tokenizer};
 
 use crate::llama_engine::LlamaEngine;
 use crate::EngineError;
@@ -16,7 +17,14 @@ pub struct Loaded {
     pub tokenizer: Option<Tokenizer>,
 }
 
+/// Every weight in f32.
 pub fn load(path: &Path) -> Result<Loaded, EngineError> {
+    load_with(path, &F32Weights)
+}
+
+/// A GGUF file's projections in the format `loader` chooses (Project 10:
+/// the file's own quantised blocks); a directory is always f32.
+pub fn load_with(path: &Path, loader: &dyn ProjLoader) -> Result<Loaded, EngineError> {
     let (model, tokenizer, name) = if path.is_dir() {
         let tok = path.join("tokenizer.json");
         let tokenizer = if tok.exists() {
@@ -37,7 +45,7 @@ pub fn load(path: &Path) -> Result<Loaded, EngineError> {
             .unwrap_or("gguf model")
             .to_string();
         (
-            Llama::from_gguf(&f)?,
+            Llama::from_gguf_with(&f, loader)?,
             Some(Tokenizer::from_gguf(&f.header)?),
             name,
         )

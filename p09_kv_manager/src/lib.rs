@@ -12,6 +12,7 @@ pub mod block_pool;
 pub mod manager;
 pub mod paged_store;
 pub mod prefix_hash;
+pub mod serve;
 
 pub use backend::PagedKv;
 pub use block_pool::{BlockId, BlockPool, PoolError};

@@ -1,0 +1,167 @@
+//! The weight-format seam: every projection y = x Wᵀ of a forward pass goes
+//! through [`Proj`], which holds its weights in some format behind
+//! [`LinearWeights`]. Here: f32 packed once for p02's micro-kernel. Project
+//! 10 adds GGUF's quantised blocks (Q4_1, Q8_0, ...) and int8; a GPU backend
+//! would add device-resident weights. The forward does not know which it
+//! calls.
+//!
+//! A loader picks the format per tensor ([`ProjLoader`]); [`F32Weights`]
+//! picks f32 for all, which is what Projects 04–09 run.
+
+use std::fmt;
+
+use crate::error::ModelError;
+use crate::model_file::GgufFile;
+
+/// Weights W (out, in) of a projection, in some format.
+pub trait LinearWeights: Send + Sync + fmt::Debug {
+    fn out_features(&self) -> usize;
+    fn in_features(&self) -> usize;
+
+    /// x (rows, in) -> y (rows, out), into a caller-owned buffer; `threads`
+    /// is how many cores the product may use.
+    fn apply_into(
+        &self,
+        x: &[f32],
+        rows: usize,
+        y: &mut [f32],
+        threads: usize,
+    ) -> Result<(), ModelError>;
+
+    /// Bytes of weights one full product reads (what a decode step streams).
+    fn weight_bytes(&self) -> usize;
+
+    /// The format's name ("f32 packed", "Q4_1", ...).
+    fn format(&self) -> &str;
+}
+
+/// f32 weights packed once at load for p02's micro-kernel (packing per call
+/// would cost as much as the matmul itself when only a few dozen rows pass
+/// through).
+#[derive(Debug)]
+pub struct PackedF32 {
+    packed: p02_matmul_bench::PackedB,
+}
+
+impl LinearWeights for PackedF32 {
+    fn out_features(&self) -> usize {
+        self.packed.cols()
+    }
+
+    fn in_features(&self) -> usize {
+        self.packed.rows()
+    }
+
+    fn apply_into(
+        &self,
+        x: &[f32],
+        rows: usize,
+        y: &mut [f32],
+        threads: usize,
+    ) -> Result<(), ModelError> {
+        use p02_matmul_bench::{sgemm_prepacked, GemmOpts, MatMut, MatRef};
+        let (k, n) = (self.packed.rows(), self.packed.cols());
+        let a = MatRef::row_major(x, rows, k)?;
+        sgemm_prepacked(
+            a,
+            &self.packed,
+            &mut MatMut::row_major(y, rows, n)?,
+            GemmOpts {
+                threads,
+                ..GemmOpts::default()
+            },
+        )?;
+        Ok(())
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.packed.rows() * self.packed.cols() * 4
+    }
+
+    fn format(&self) -> &str {
+        "f32 packed"
+    }
+}
+
+/// A projection y = x Wᵀ, W (out, in), in whatever format it was loaded.
+#[derive(Debug)]
+pub struct Proj {
+    w: Box<dyn LinearWeights>,
+}
+
+impl Proj {
+    /// f32 W (out, in), packed.
+    pub fn new(w: &[f32], out_f: usize, in_f: usize) -> Result<Proj, ModelError> {
+        Ok(Proj {
+            w: Box::new(PackedF32 {
+                packed: p02_matmul_bench::PackedB::linear_weight(w, out_f, in_f)?,
+            }),
+        })
+    }
+
+    /// Weights in another format (Project 10's quantised blocks, ...).
+    pub fn from_weights(w: Box<dyn LinearWeights>) -> Proj {
+        Proj { w }
+    }
+
+    pub fn weights(&self) -> &dyn LinearWeights {
+        &*self.w
+    }
+
+    pub fn out_features(&self) -> usize {
+        self.w.out_features()
+    }
+
+    pub fn in_features(&self) -> usize {
+        self.w.in_features()
+    }
+
+    /// x (rows, in) -> (rows, out).
+    pub fn apply(&self, x: &[f32], rows: usize, threads: usize) -> Result<Vec<f32>, ModelError> {
+        let mut y = vec![0.0f32; rows * self.out_features()];
+        self.apply_into(x, rows, &mut y, threads)?;
+        Ok(y)
+    }
+
+    /// x (rows, in) -> y (rows, out), into a caller-owned buffer (no
+    /// allocation once the format's buffers are warm, on one thread).
+    pub fn apply_into(
+        &self,
+        x: &[f32],
+        rows: usize,
+        y: &mut [f32],
+        threads: usize,
+    ) -> Result<(), ModelError> {
+        self.w.apply_into(x, rows, y, threads)
+    }
+}
+
+/// Chooses the format of each projection a GGUF loader reads.
+pub trait ProjLoader {
+    /// Tensor `name` as W (`shape` = [out, in]) in this loader's format, or
+    /// None for the f32 default. `rows`, when given, maps each row of W to
+    /// the file's row it comes from (GGUF permutes Q and K rows).
+    fn load(
+        &self,
+        f: &GgufFile,
+        name: &str,
+        shape: [usize; 2],
+        rows: Option<&[usize]>,
+    ) -> Result<Option<Proj>, ModelError>;
+}
+
+/// Every projection in f32 (Projects 04–09).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct F32Weights;
+
+impl ProjLoader for F32Weights {
+    fn load(
+        &self,
+        _: &GgufFile,
+        _: &str,
+        _: [usize; 2],
+        _: Option<&[usize]>,
+    ) -> Result<Option<Proj>, ModelError> {
+        Ok(None)
+    }
+}

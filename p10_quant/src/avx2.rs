@@ -1,0 +1,161 @@
+//! The AVX2 dot products (x86-64 with AVX2, FMA and F16C). Per block:
+//! expand the weights to 32 bytes, `maddubs` (u8 × i8 → pairs summed to
+//! i16), `madd` with ones (→ eight i32), convert, and one FMA with the
+//! block's combined scale. The scales are read two f16 at a time
+//! (`d` and `m`, or `d` and `s`, sit next to each other) and converted with
+//! one `vcvtph2ps`.
+//!
+//! `maddubs` needs one unsigned operand: the 4-bit weights of Q4_1 are
+//! (0..15); signed pairs use the sign trick, |w| · (x with w's sign), which
+//! holds for |q| ≤ 127 (every quantiser here stays there; ggml's too).
+
+use std::arch::x86_64::*;
+
+use crate::formats::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
+
+/// Two adjacent f16 (bits `lo`, `hi`) as lanes 0 and 1 of a vector.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn f16x2(lo: u16, hi: u16) -> __m128 {
+    _mm_cvtph_ps(_mm_cvtsi32_si128((lo as u32 | (hi as u32) << 16) as i32))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+}
+
+/// 16 bytes of nibbles → 32 bytes: low nibbles (elements 0..16) in the low
+/// lane, high nibbles (16..32) in the high lane.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn nibbles(qs: &[u8; 16]) -> __m256i {
+    // SAFETY: `qs` is 16 readable bytes; the load is unaligned.
+    let b = unsafe { _mm_loadu_si128(qs.as_ptr().cast()) };
+    let m = _mm_set1_epi8(0x0f);
+    let lo = _mm_and_si128(b, m);
+    let hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+    _mm256_set_m128i(hi, lo)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn load32(qs: &[i8; 32]) -> __m256i {
+    // SAFETY: `qs` is 32 readable bytes; the load is unaligned.
+    unsafe { _mm256_loadu_si256(qs.as_ptr().cast()) }
+}
+
+/// Σ over the block of u8 × i8, as eight i32 lanes in f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_u8_i8(u: __m256i, s: __m256i) -> __m256 {
+    let pairs = _mm256_maddubs_epi16(u, s);
+    _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+}
+
+/// Σ over the block of i8 × i8 (both |q| ≤ 127).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_i8_i8(a: __m256i, b: __m256i) -> __m256 {
+    dot_u8_i8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a))
+}
+
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn q4_1_q8_1(w: &[BlockQ4_1], x: &[BlockQ8_1]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    // Lane 1 collects m_w · s_x.
+    let mut mins = _mm_setzero_ps();
+    for (w, x) in w.iter().zip(x) {
+        // (d_w·d_x, m_w·s_x, ..)
+        let scales = _mm_mul_ps(f16x2(w.d, w.m), f16x2(x.d, x.s));
+        mins = _mm_add_ps(mins, scales);
+        let p = dot_u8_i8(nibbles(&w.qs), load32(&x.qs));
+        acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(scales), p, acc);
+    }
+    hsum(acc) + _mm_cvtss_f32(_mm_movehdup_ps(mins))
+}
+
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn q4_0_q8_0(w: &[BlockQ4_0], x: &[BlockQ8_0]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let eight = _mm256_set1_epi8(8);
+    for (w, x) in w.iter().zip(x) {
+        let d = _mm_mul_ps(f16x2(w.d, 0), f16x2(x.d, 0));
+        let qw = _mm256_sub_epi8(nibbles(&w.qs), eight);
+        let p = dot_i8_i8(qw, load32(&x.qs));
+        acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(d), p, acc);
+    }
+    hsum(acc)
+}
+
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn q8_0_q8_0(w: &[BlockQ8_0], x: &[BlockQ8_0]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for (w, x) in w.iter().zip(x) {
+        let d = _mm_mul_ps(f16x2(w.d, 0), f16x2(x.d, 0));
+        let p = dot_i8_i8(load32(&w.qs), load32(&x.qs));
+        acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(d), p, acc);
+    }
+    hsum(acc)
+}
+
+/// Four groups of 8 bytes of `q` (a 32-byte vector) as 8 floats each.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn store_expanded(q: __m256i, signed: bool, scale: __m256, offset: __m256, out: &mut [f32; 32]) {
+    let lo = _mm256_castsi256_si128(q);
+    let hi = _mm256_extracti128_si256(q, 1);
+    for (i, part) in [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)]
+        .into_iter()
+        .enumerate()
+    {
+        let ints = if signed {
+            _mm256_cvtepi8_epi32(part)
+        } else {
+            _mm256_cvtepu8_epi32(part)
+        };
+        let v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), scale, offset);
+        // SAFETY: `out` has 32 floats; this writes 8 at 8·i, i < 4.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(8 * i), v) };
+    }
+}
+
+/// Expand Q4_1 blocks to f32 (`out`: 32 per block; fused multiply-add, so
+/// within an ulp of the scalar reference).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn expand_q4_1(b: &[BlockQ4_1], out: &mut [f32]) {
+    for (blk, o) in b.iter().zip(out.chunks_exact_mut(32)) {
+        let dm = f16x2(blk.d, blk.m);
+        let d = _mm256_broadcastss_ps(dm);
+        let m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+        if let Ok(o) = <&mut [f32; 32]>::try_from(o) {
+            store_expanded(nibbles(&blk.qs), false, d, m, o);
+        }
+    }
+}
+
+/// Expand Q8_0 blocks to f32.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn expand_q8_0(b: &[BlockQ8_0], out: &mut [f32]) {
+    for (blk, o) in b.iter().zip(out.chunks_exact_mut(32)) {
+        let d = _mm256_broadcastss_ps(f16x2(blk.d, 0));
+        if let Ok(o) = <&mut [f32; 32]>::try_from(o) {
+            store_expanded(load32(&blk.qs), true, d, _mm256_setzero_ps(), o);
+        }
+    }
+}

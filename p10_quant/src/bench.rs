@@ -1,0 +1,413 @@
+//! `p10_quant bench`: native quantised weights against f32, beside
+//! llama.cpp, in one run.
+//!
+//! 1. accuracy of the native path (8-bit activations) against the f32 one
+//!    on the same weights: mean KL divergence and top-1 agreement over every
+//!    position of a few prompts;
+//! 2. decode tok/s (128 tokens after a 16-token prompt) and prefill tok/s
+//!    (256 and 1,024 tokens), f32 vs native, and llama.cpp's `llama-bench`
+//!    on the same GGUF with the same threads;
+//! 3. where a decode step goes (projections, head, the rest), both paths;
+//! 4. GEMV per SmolLM2 shape: GB/s and GFLOP/s per format, against the
+//!    measured read bandwidth (Project 02's ceiling), and the bandwidth
+//!    limit of a whole token;
+//! 5. resident memory after loading, f32 vs native (a child process each).
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use clap::Args;
+use common::numbers::{command_line, Recorder, Row};
+use common::plot::{line_chart, Labels, Scale, Series};
+use common::stats::{summarize, time_it, BenchConfig};
+use common::Model;
+use p04_transformer::Proj;
+use p05_kv_cache::llama_engine::LlamaEngine;
+use p05_kv_cache::load::Loaded;
+
+use crate::{Dot, NativeWeights};
+
+#[derive(Clone, Debug, Args)]
+pub struct BenchArgs {
+    #[arg(long, default_value = "smollm2")]
+    pub model: String,
+    /// llama.cpp's tools (scripts/build_llamacpp.sh puts them here).
+    #[arg(long, default_value = ".llamacpp/bin")]
+    pub llamacpp: PathBuf,
+    /// Skip llama.cpp.
+    #[arg(long)]
+    pub no_peer: bool,
+    #[arg(long)]
+    pub no_record: bool,
+}
+
+/// A model with its projections in f32 or kept in the file's blocks.
+pub fn load(path: &Path, native: bool) -> Result<Loaded> {
+    if native {
+        load_native(path, NativeWeights::detect())
+    } else {
+        p05_kv_cache::load::load(path).with_context(|| format!("loading {}", path.display()))
+    }
+}
+
+pub fn load_native(path: &Path, w: NativeWeights) -> Result<Loaded> {
+    p05_kv_cache::load::load_with(path, &w).with_context(|| format!("loading {}", path.display()))
+}
+
+/// This process's resident set, in bytes (0 where /proc is missing).
+pub fn rss_bytes() -> usize {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<usize>().ok())
+        .map_or(0, |pages| pages * 4096)
+}
+
+fn ids(n: usize) -> Vec<u32> {
+    (0..n).map(|i| ((100 + 37 * i) % 49152) as u32).collect()
+}
+
+/// Every projection of the model, with a label of its kind.
+fn projections(e: &LlamaEngine) -> Vec<(&'static str, &Proj)> {
+    let m = &e.model;
+    let mut v = Vec::new();
+    for b in &m.blocks {
+        v.extend([
+            ("q", &b.wq),
+            ("k", &b.wk),
+            ("v", &b.wv),
+            ("o", &b.wo),
+            ("gate", &b.w_gate),
+            ("up", &b.w_up),
+            ("down", &b.w_down),
+        ]);
+    }
+    v.push(("head", &m.lm_head));
+    v
+}
+
+/// Bytes of weights one decode token reads.
+pub fn bytes_per_token(e: &LlamaEngine) -> usize {
+    projections(e)
+        .iter()
+        .map(|(_, p)| p.weights().weight_bytes())
+        .sum()
+}
+
+/// (mean KL(f32 ‖ native) in nats, top-1 agreement) over every position.
+pub fn accuracy(f32e: &LlamaEngine, nat: &LlamaEngine, prompts: &[Vec<u32>]) -> Result<(f64, f64)> {
+    let (mut kl, mut agree, mut n) = (0.0f64, 0usize, 0usize);
+    for p in prompts {
+        let a = f32e.model.forward(p, 1, p.len())?;
+        let b = nat.model.forward(p, 1, p.len())?;
+        let v = f32e.model.cfg.vocab_size;
+        for (ra, rb) in a.data().chunks_exact(v).zip(b.data().chunks_exact(v)) {
+            let (la, lb) = (log_softmax(ra), log_softmax(rb));
+            kl += la
+                .iter()
+                .zip(&lb)
+                .map(|(x, y)| x.exp() * (x - y))
+                .sum::<f64>();
+            agree += usize::from(argmax(ra) == argmax(rb));
+            n += 1;
+        }
+    }
+    Ok((kl / n as f64, agree as f64 / n as f64))
+}
+
+fn log_softmax(x: &[f32]) -> Vec<f64> {
+    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = x.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln() + m;
+    x.iter().map(|&v| v as f64 - lse).collect()
+}
+
+fn argmax(x: &[f32]) -> usize {
+    x.iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+        )
+        .0
+}
+
+/// Median prefill tok/s of `n` tokens over 3 runs.
+fn prefill_speed(e: &LlamaEngine, n: usize) -> Result<f64> {
+    let mut s = Vec::new();
+    for _ in 0..3 {
+        let t = Instant::now();
+        let _ = e.prefill(&ids(n), n + 1)?;
+        s.push(n as f64 / t.elapsed().as_secs_f64());
+    }
+    Ok(summarize(&s).median)
+}
+
+/// Median seconds of one product x (1, in) → (1, out).
+fn gemv_seconds(p: &Proj, threads: usize) -> f64 {
+    let x = vec![0.1f32; p.in_features()];
+    let mut y = vec![0.0f32; p.out_features()];
+    let cfg = BenchConfig {
+        warmup_iters: 5,
+        min_samples: 30,
+        min_time: Duration::from_millis(200),
+        max_samples: 2000,
+    };
+    time_it(cfg, || {
+        p.apply_into(&x, 1, &mut y, threads).expect("shapes")
+    })
+    .median
+}
+
+/// llama.cpp's `llama-bench` on the same file: (pp256, pp1024, tg128) tok/s.
+fn llama_bench(bin: &Path, model: &Path, threads: usize) -> Result<(f64, f64, f64)> {
+    let exe = bin.join("llama-bench");
+    let out = std::process::Command::new(&exe)
+        .env("LD_LIBRARY_PATH", bin)
+        .args(["-m", &model.display().to_string()])
+        .args([
+            "-t",
+            &threads.to_string(),
+            "-p",
+            "256,1024",
+            "-n",
+            "128",
+            "-r",
+            "3",
+        ])
+        .args(["-o", "json"])
+        .output()
+        .with_context(|| {
+            format!(
+                "running {} (build it: bash scripts/build_llamacpp.sh)",
+                exe.display()
+            )
+        })?;
+    anyhow::ensure!(
+        out.status.success(),
+        "llama-bench failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("llama-bench's JSON")?;
+    let find = |p: u64, g: u64| {
+        v.as_array()
+            .into_iter()
+            .flatten()
+            .find(|r| r["n_prompt"] == p && r["n_gen"] == g)
+            .and_then(|r| r["avg_ts"].as_f64())
+            .context("a llama-bench row is missing")
+    };
+    Ok((find(256, 0)?, find(1024, 0)?, find(0, 128)?))
+}
+
+fn child_rss(model: &str, weights: &str) -> Result<f64> {
+    let out = std::process::Command::new(std::env::current_exe()?)
+        .args(["rss", "--model", model, "--weights", weights])
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let b: f64 = String::from_utf8_lossy(&out.stdout).trim().parse()?;
+    Ok(b / 1e6)
+}
+
+pub fn run(a: &BenchArgs) -> Result<()> {
+    let path = p06_server::server::resolve_model(&a.model).map_err(anyhow::Error::msg)?;
+    let isa = Dot::detect().isa();
+    let f32m = load(&path, false)?;
+    let nat = load(&path, true)?;
+    let (fe, ne) = (&f32m.engine, &nat.engine);
+    let threads = fe.model.threads;
+    let mut rows = Vec::new();
+    println!("kernels: {isa}, {threads} threads");
+
+    // 1. Accuracy: the same weights, activations in 8 bits.
+    let tok = f32m
+        .tokenizer
+        .as_ref()
+        .context("the model has no tokenizer")?;
+    let prompts: Vec<Vec<u32>> = [
+        "The keeper of the lighthouse wrote in his log every evening: the wind, the ships that passed, the colour of the sea.",
+        "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+        "Photosynthesis is the process by which green plants use sunlight to make food from carbon dioxide and water.",
+    ]
+    .iter()
+    .map(|t| tok.encode(t))
+    .collect();
+    // Every position through the integer path (decode's), not prefill's f32.
+    let int = load_native(
+        &path,
+        NativeWeights {
+            f32_rows: usize::MAX,
+            ..NativeWeights::detect()
+        },
+    )?;
+    let (kl, top1) = accuracy(fe, &int.engine, &prompts)?;
+    drop(int);
+    let positions: usize = prompts.iter().map(Vec::len).sum();
+    println!(
+        "1. native vs f32 over {positions} positions: mean KL {kl:.5} nats, top-1 agreement {:.1}%",
+        top1 * 100.0
+    );
+    rows.push(
+        Row::new("p10 KL(f32 || native), same Q4_1 weights", kl, "nats")
+            .predicted("~1e-3 (8-bit activations)"),
+    );
+    rows.push(Row::new("p10 top-1 agreement native vs f32", top1 * 100.0, "%").predicted("> 95%"));
+
+    // 2. Speeds, f32 vs native vs llama.cpp.
+    let bytes_nat = bytes_per_token(ne) as f64;
+    let bytes_f32 = bytes_per_token(fe) as f64;
+    let (pre_f, dec_f) = p05_kv_cache::bench::speeds(fe)?;
+    let (pre_n, dec_n) = p05_kv_cache::bench::speeds(ne)?;
+    let (pre1k_f, pre1k_n) = (prefill_speed(fe, 1024)?, prefill_speed(ne, 1024)?);
+    println!("2. decode tok/s: f32 {dec_f:.1}, native {dec_n:.1}; prefill 256: f32 {pre_f:.0}, native {pre_n:.0}; prefill 1024: f32 {pre1k_f:.0}, native {pre1k_n:.0}");
+    rows.push(Row::new("p10 decode f32, 128 after 16", dec_f, "tok/s"));
+    rows.push(
+        Row::new("p10 decode native, 128 after 16", dec_n, "tok/s").predicted(format!(
+            "~{:.1}x f32 (bytes {:.0} vs {:.0} MB)",
+            bytes_f32 / bytes_nat,
+            bytes_nat / 1e6,
+            bytes_f32 / 1e6
+        )),
+    );
+    rows.push(Row::new("p10 prefill f32, 256", pre_f, "tok/s"));
+    rows.push(Row::new("p10 prefill native, 256", pre_n, "tok/s").predicted(">= f32 (target)"));
+    rows.push(Row::new("p10 prefill f32, 1024", pre1k_f, "tok/s"));
+    rows.push(Row::new("p10 prefill native, 1024", pre1k_n, "tok/s"));
+    if !a.no_peer {
+        match llama_bench(&a.llamacpp, &path, threads) {
+            Ok((pp256, pp1k, tg)) => {
+                println!("   llama.cpp: decode {tg:.1}, prefill 256 {pp256:.0}, 1024 {pp1k:.0}; native / llama.cpp decode {:.2}x", dec_n / tg);
+                rows.push(Row::new("p10 llama.cpp decode tg128", tg, "tok/s"));
+                rows.push(Row::new("p10 llama.cpp prefill pp256", pp256, "tok/s"));
+                rows.push(Row::new("p10 llama.cpp prefill pp1024", pp1k, "tok/s"));
+                rows.push(
+                    Row::new("p10 decode native / llama.cpp", dec_n / tg, "x")
+                        .predicted(">= 1.0x (target), 1.5x (stretch)"),
+                );
+                rows.push(Row::new(
+                    "p10 prefill 256 native / llama.cpp",
+                    pre_n / pp256,
+                    "x",
+                ));
+            }
+            Err(e) => println!("   llama.cpp skipped: {e:#}"),
+        }
+    }
+
+    // 3. The decode step's time split.
+    for (name, e) in [("f32", fe), ("native", ne)] {
+        let parts = p05_kv_cache::bench::breakdown(e, 80)?;
+        let line: Vec<String> = parts
+            .iter()
+            .map(|(l, s)| format!("{l}: {:.2} ms", s * 1e3))
+            .collect();
+        println!("3. {name} decode step at position 80: {}", line.join("; "));
+        for (l, s) in parts {
+            rows.push(Row::new(
+                format!("p10 decode split {name}: {l}"),
+                s * 1e3,
+                "ms",
+            ));
+        }
+    }
+
+    // 4. GEMV per shape and format, against the read bandwidth.
+    let bw = p02_read_bandwidth(threads);
+    let limit = bw * 1e9 / bytes_nat;
+    println!("4. read bandwidth {bw:.1} GB/s ({threads} threads): a native token ({:.1} MB) at most {limit:.0} tok/s; decode reaches {:.0}%", bytes_nat / 1e6, dec_n / limit * 100.0);
+    rows.push(Row::new(
+        format!("p10 read bandwidth 256 MB {threads}t"),
+        bw,
+        "GB/s",
+    ));
+    rows.push(Row::new(
+        "p10 bytes per token native",
+        bytes_nat / 1e6,
+        "MB",
+    ));
+    rows.push(Row::new("p10 bytes per token f32", bytes_f32 / 1e6, "MB"));
+    rows.push(
+        Row::new(
+            "p10 decode native / bandwidth limit",
+            dec_n / limit * 100.0,
+            "%",
+        )
+        .predicted(">= 60% (target)"),
+    );
+    let (fp, np) = (projections(fe), projections(ne));
+    let mut curves = [Vec::new(), Vec::new()];
+    for kind in ["q", "k", "gate", "down", "head"] {
+        let i = fp.iter().position(|(k, _)| *k == kind).unwrap_or(0);
+        for (c, (name, p)) in [("f32", fp[i].1), ("native", np[i].1)]
+            .into_iter()
+            .enumerate()
+        {
+            let s = gemv_seconds(p, threads);
+            let bytes = p.weights().weight_bytes() as f64;
+            let gbs = bytes / s / 1e9;
+            let flops = 2.0 * (p.in_features() * p.out_features()) as f64 / s / 1e9;
+            println!(
+                "   {kind:>4} {}x{} {:>9}: {:8.1} us {gbs:6.1} GB/s {flops:6.1} GFLOP/s",
+                p.out_features(),
+                p.in_features(),
+                p.weights().format(),
+                s * 1e6
+            );
+            rows.push(Row::new(
+                format!(
+                    "p10 GEMV {kind} {}x{} {name} ({})",
+                    p.out_features(),
+                    p.in_features(),
+                    p.weights().format()
+                ),
+                gbs,
+                "GB/s",
+            ));
+            curves[c].push((bytes / 1e6, gbs));
+        }
+    }
+    let dir = common::assets::workspace_root().join("p10_quant/plots");
+    std::fs::create_dir_all(&dir)?;
+    let bw_line: Vec<(f64, f64)> = curves.iter().flatten().map(|&(mb, _)| (mb, bw)).collect();
+    line_chart(
+        &dir.join("gemv_bandwidth.png"),
+        Labels {
+            title: "GEMV on SmolLM2's shapes: GB/s of weights read vs weight size",
+            x: "weights (MB, log)",
+            y: "GB/s",
+        },
+        &[
+            Series::new("f32 packed", sorted(&curves[0])),
+            Series::new("native (Q4_1; Q8_0 head)", sorted(&curves[1])),
+            Series::new("read bandwidth (p02)", sorted(&bw_line)),
+        ],
+        Scale::LogX,
+    )
+    .map_err(anyhow::Error::msg)?;
+
+    // 5. Memory at rest.
+    let (rss_f, rss_n) = (child_rss(&a.model, "f32")?, child_rss(&a.model, "native")?);
+    println!("5. resident after load: f32 {rss_f:.0} MB, native {rss_n:.0} MB");
+    rows.push(Row::new("p10 RSS after load f32", rss_f, "MB"));
+    rows.push(Row::new("p10 RSS after load native", rss_n, "MB"));
+
+    if !a.no_record {
+        Recorder::for_workspace(command_line("p10_quant"))
+            .machine_note(&format!("kernels {isa}"))
+            .append(&rows)?;
+    }
+    Ok(())
+}
+
+fn sorted(v: &[(f64, f64)]) -> Vec<(f64, f64)> {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.0.total_cmp(&b.0));
+    v
+}
+
+fn p02_read_bandwidth(threads: usize) -> f64 {
+    p02_matmul_bench::ceilings::read_bandwidth(256 << 20, threads)
+}

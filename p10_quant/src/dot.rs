@@ -1,0 +1,148 @@
+//! Dot products of a quantised weight row with a quantised activation row:
+//! integer multiply-adds inside each 32-value block, one float
+//! multiply-add per block. A scalar reference (ggml's generic code,
+//! transcribed) and an AVX2 path (`avx2.rs`), chosen at run time.
+//!
+//! | weights | activations | per block |
+//! |---|---|---|
+//! | Q4_1 | Q8_1 | d_w·d_x·Σ nib·q + m_w·s_x (the minimum meets Σ q once) |
+//! | Q4_0 | Q8_0 | d_w·d_x·Σ (nib − 8)·q |
+//! | Q8_0 | Q8_0 | d_w·d_x·Σ q_w·q_x |
+
+use crate::formats::{f, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
+use crate::isa::Isa;
+
+/// Why a kernel path cannot be used.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("the {0} kernels need CPU features this machine lacks")]
+pub struct Unavailable(pub Isa);
+
+/// The dot products of one instruction set. Only constructible for a path
+/// the CPU has, so its safe methods can call the `unsafe` SIMD code.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dot {
+    isa: Isa,
+}
+
+impl Dot {
+    pub fn new(isa: Isa) -> Result<Dot, Unavailable> {
+        if isa.is_available() {
+            Ok(Dot { isa })
+        } else {
+            Err(Unavailable(isa))
+        }
+    }
+
+    /// The widest path (see [`Isa::detect`]).
+    pub fn detect() -> Dot {
+        Dot { isa: Isa::detect() }
+    }
+
+    pub fn isa(self) -> Isa {
+        self.isa
+    }
+
+    /// Σ over blocks, of the shorter of the two rows.
+    pub fn q4_1_q8_1(self, w: &[BlockQ4_1], x: &[BlockQ8_1]) -> f32 {
+        match self.isa {
+            Isa::Scalar => scalar::q4_1_q8_1(w, x),
+            // SAFETY: `Dot` exists for Avx2 only when the CPU has AVX2, FMA and F16C.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { crate::avx2::q4_1_q8_1(w, x) },
+            #[cfg(not(target_arch = "x86_64"))]
+            Isa::Avx2 => scalar::q4_1_q8_1(w, x),
+        }
+    }
+
+    pub fn q4_0_q8_0(self, w: &[BlockQ4_0], x: &[BlockQ8_0]) -> f32 {
+        match self.isa {
+            Isa::Scalar => scalar::q4_0_q8_0(w, x),
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { crate::avx2::q4_0_q8_0(w, x) },
+            #[cfg(not(target_arch = "x86_64"))]
+            Isa::Avx2 => scalar::q4_0_q8_0(w, x),
+        }
+    }
+
+    pub fn q8_0_q8_0(self, w: &[BlockQ8_0], x: &[BlockQ8_0]) -> f32 {
+        match self.isa {
+            Isa::Scalar => scalar::q8_0_q8_0(w, x),
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { crate::avx2::q8_0_q8_0(w, x) },
+            #[cfg(not(target_arch = "x86_64"))]
+            Isa::Avx2 => scalar::q8_0_q8_0(w, x),
+        }
+    }
+}
+
+impl Dot {
+    /// Blocks to f32 (32 values per block into `out`), for the f32 GEMM of
+    /// prefill. The SIMD path rounds once per value (a fused multiply-add),
+    /// the scalar reference twice: they agree within an ulp.
+    pub fn expand(self, blocks: &crate::matrix::BlocksRef<'_>, out: &mut [f32]) {
+        use crate::formats::dequantize_row;
+        use crate::matrix::BlocksRef;
+        let n = out.len() / crate::formats::QK;
+        match (self.isa, blocks) {
+            // SAFETY: `Dot` exists for Avx2 only when the CPU has AVX2, FMA and F16C.
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx2, BlocksRef::Q4_1(b)) => unsafe {
+                crate::avx2::expand_q4_1(&b[..n.min(b.len())], out)
+            },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx2, BlocksRef::Q8_0(b)) => unsafe {
+                crate::avx2::expand_q8_0(&b[..n.min(b.len())], out)
+            },
+            (_, BlocksRef::Q4_1(b)) => drop(dequantize_row(&b[..n.min(b.len())], out)),
+            (_, BlocksRef::Q4_0(b)) => drop(dequantize_row(&b[..n.min(b.len())], out)),
+            (_, BlocksRef::Q8_0(b)) => drop(dequantize_row(&b[..n.min(b.len())], out)),
+        }
+    }
+}
+
+/// The references: ggml's `ggml_vec_dot_*_generic`, one block at a time.
+pub mod scalar {
+    use super::*;
+
+    pub fn q4_1_q8_1(w: &[BlockQ4_1], x: &[BlockQ8_1]) -> f32 {
+        let mut sum = 0.0f32;
+        for (w, x) in w.iter().zip(x) {
+            let mut sumi = 0i32;
+            for j in 0..16 {
+                sumi += (w.qs[j] & 0x0f) as i32 * x.qs[j] as i32;
+                sumi += (w.qs[j] >> 4) as i32 * x.qs[j + 16] as i32;
+            }
+            sum += f(w.d) * f(x.d) * sumi as f32 + f(w.m) * f(x.s);
+        }
+        sum
+    }
+
+    pub fn q4_0_q8_0(w: &[BlockQ4_0], x: &[BlockQ8_0]) -> f32 {
+        let mut sum = 0.0f32;
+        for (w, x) in w.iter().zip(x) {
+            let mut sumi = 0i32;
+            for j in 0..16 {
+                sumi += ((w.qs[j] & 0x0f) as i32 - 8) * x.qs[j] as i32;
+                sumi += ((w.qs[j] >> 4) as i32 - 8) * x.qs[j + 16] as i32;
+            }
+            sum += sumi as f32 * (f(w.d) * f(x.d));
+        }
+        sum
+    }
+
+    pub fn q8_0_q8_0(w: &[BlockQ8_0], x: &[BlockQ8_0]) -> f32 {
+        let mut sum = 0.0f32;
+        for (w, x) in w.iter().zip(x) {
+            let sumi: i32 =
+                w.qs.iter()
+                    .zip(&x.qs)
+                    .map(|(&a, &b)| a as i32 * b as i32)
+                    .sum();
+            sum += sumi as f32 * (f(w.d) * f(x.d));
+        }
+        sum
+    }
+}

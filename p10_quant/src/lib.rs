@@ -1,0 +1,26 @@
+//! Project 10: quantised weights, natively.
+//!
+//! - [`formats`]: GGUF's block formats as types (Q8_0, Q4_0, Q4_1, and
+//!   Q8_1 for activations), with ggml's reference quantisers;
+//! - [`dot`]: block dot products, a scalar reference and SIMD paths
+//!   ([`isa`] picks one at run time);
+//! - [`matrix`]: a weight matrix kept in blocks, behind Project 04's
+//!   weight-format seam (`LinearWeights`), on a spinning thread pool
+//!   ([`pool`]);
+//! - [`loader`]: Project 04's GGUF loader keeping the file's blocks.
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+pub mod bench;
+pub mod dot;
+pub mod formats;
+pub mod isa;
+pub mod loader;
+pub mod matrix;
+pub mod pool;
+
+pub use dot::Dot;
+pub use isa::Isa;
+pub use loader::NativeWeights;
+pub use matrix::{Blocks, Format, QuantMatrix};
+pub use pool::Pool;

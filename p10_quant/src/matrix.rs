@@ -1,0 +1,472 @@
+//! A weight matrix kept in its quantised blocks, as Project 04's
+//! [`LinearWeights`]: y = x Wᵀ with the activations quantised per row to
+//! 8 bits (Q8_1 for Q4_1 weights, Q8_0 otherwise, as llama.cpp does) and
+//! integer dot products per block.
+//!
+//! ```text
+//! apply(x (m, k), y (m, n)):
+//!   xq = quantize each row of x           (m, k/32) blocks
+//!   for each weight row r (split across the pool's threads):
+//!     for each tile of 64 activation rows i:   (the weight row stays in L1)
+//!       y[i, r] = dot(W[r], xq[i])
+//! ```
+//!
+//! One loop for decode (m = 1: a GEMV, bound by the bytes of W) and for
+//! prefill (m ≫ 1: each weight row is read once and used m times).
+
+use std::cell::RefCell;
+
+use p04_transformer::{GgmlType, LinearWeights, ModelError};
+
+use crate::dot::Dot;
+use crate::formats::{
+    quantize_row_into, read_blocks, Block, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, FormatError,
+    QK,
+};
+use crate::pool::Pool;
+
+/// The weights' blocks, row-major: row r is blocks r·(k/32)..(r+1)·(k/32).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Blocks {
+    Q4_1(Vec<BlockQ4_1>),
+    Q4_0(Vec<BlockQ4_0>),
+    Q8_0(Vec<BlockQ8_0>),
+}
+
+impl Blocks {
+    fn len(&self) -> usize {
+        match self {
+            Blocks::Q4_1(b) => b.len(),
+            Blocks::Q4_0(b) => b.len(),
+            Blocks::Q8_0(b) => b.len(),
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Blocks::Q4_1(_) => BlockQ4_1::NAME,
+            Blocks::Q4_0(_) => BlockQ4_0::NAME,
+            Blocks::Q8_0(_) => BlockQ8_0::NAME,
+        }
+    }
+
+    fn block_bytes(&self) -> usize {
+        match self {
+            Blocks::Q4_1(_) => BlockQ4_1::BYTES,
+            Blocks::Q4_0(_) => BlockQ4_0::BYTES,
+            Blocks::Q8_0(_) => BlockQ8_0::BYTES,
+        }
+    }
+}
+
+/// A slice of one format's blocks.
+#[derive(Clone, Copy, Debug)]
+pub enum BlocksRef<'a> {
+    Q4_1(&'a [BlockQ4_1]),
+    Q4_0(&'a [BlockQ4_0]),
+    Q8_0(&'a [BlockQ8_0]),
+}
+
+impl Blocks {
+    /// Blocks `range` (of rows' blocks).
+    pub fn slice(&self, range: std::ops::Range<usize>) -> BlocksRef<'_> {
+        match self {
+            Blocks::Q4_1(b) => BlocksRef::Q4_1(&b[range]),
+            Blocks::Q4_0(b) => BlocksRef::Q4_0(&b[range]),
+            Blocks::Q8_0(b) => BlocksRef::Q8_0(&b[range]),
+        }
+    }
+}
+
+/// Formats a matrix can be made in from f32 weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    Q4_1,
+    Q4_0,
+    Q8_0,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum MatrixError {
+    #[error(transparent)]
+    Format(#[from] FormatError),
+    #[error("{rows} x {cols} weights need {need} blocks, got {got}")]
+    Size {
+        rows: usize,
+        cols: usize,
+        need: usize,
+        got: usize,
+    },
+    #[error("GGML type {0:?} has no native kernels (Q4_0, Q4_1, Q8_0 do)")]
+    Type(GgmlType),
+    #[error("row permutation of length {got} for {rows} rows, or a source row out of range")]
+    Permutation { rows: usize, got: usize },
+    #[error("f32 product: {0}")]
+    Gemm(String),
+}
+
+/// W (rows = out features, cols = in features) in blocks.
+#[derive(Debug)]
+pub struct QuantMatrix {
+    rows: usize,
+    cols: usize,
+    blocks: Blocks,
+    dot: Dot,
+    /// Products of this many rows or more take the f32 path.
+    f32_rows: usize,
+}
+
+impl QuantMatrix {
+    /// From blocks (checked against the shape). `cols` must be a multiple of 32.
+    pub fn new(rows: usize, cols: usize, blocks: Blocks, dot: Dot) -> Result<Self, MatrixError> {
+        if !cols.is_multiple_of(QK) {
+            return Err(FormatError::Ragged { len: cols }.into());
+        }
+        let need = rows
+            .checked_mul(cols / QK)
+            .ok_or(MatrixError::Permutation { rows, got: 0 })?;
+        if blocks.len() != need {
+            return Err(MatrixError::Size {
+                rows,
+                cols,
+                need,
+                got: blocks.len(),
+            });
+        }
+        Ok(QuantMatrix {
+            rows,
+            cols,
+            blocks,
+            dot,
+            f32_rows: F32_GEMM_ROWS,
+        })
+    }
+
+    /// From a GGUF tensor's bytes (type `ty`, shape (rows, cols)).
+    pub fn from_gguf(
+        ty: GgmlType,
+        bytes: &[u8],
+        rows: usize,
+        cols: usize,
+        dot: Dot,
+    ) -> Result<Self, MatrixError> {
+        let blocks = match ty {
+            GgmlType::Q4_1 => Blocks::Q4_1(read_blocks(bytes)?),
+            GgmlType::Q4_0 => Blocks::Q4_0(read_blocks(bytes)?),
+            GgmlType::Q8_0 => Blocks::Q8_0(read_blocks(bytes)?),
+            other => return Err(MatrixError::Type(other)),
+        };
+        QuantMatrix::new(rows, cols, blocks, dot)
+    }
+
+    /// Quantise f32 W (rows, cols) with this crate's quantisers.
+    pub fn quantize(
+        w: &[f32],
+        rows: usize,
+        cols: usize,
+        format: Format,
+        dot: Dot,
+    ) -> Result<Self, MatrixError> {
+        if w.len() != rows * cols {
+            return Err(MatrixError::Size {
+                rows,
+                cols,
+                need: rows * cols,
+                got: w.len(),
+            });
+        }
+        fn q<B: Block>(w: &[f32]) -> Result<Vec<B>, FormatError> {
+            let mut out = Vec::new();
+            quantize_row_into(w, &mut out)?;
+            Ok(out)
+        }
+        if !cols.is_multiple_of(QK) {
+            return Err(FormatError::Ragged { len: cols }.into());
+        }
+        let blocks = match format {
+            Format::Q4_1 => Blocks::Q4_1(q(w)?),
+            Format::Q4_0 => Blocks::Q4_0(q(w)?),
+            Format::Q8_0 => Blocks::Q8_0(q(w)?),
+        };
+        QuantMatrix::new(rows, cols, blocks, dot)
+    }
+
+    /// Reorder rows: row r of the result is row `source[r]` of `self`.
+    pub fn permute_rows(self, source: &[usize]) -> Result<Self, MatrixError> {
+        let bad = MatrixError::Permutation {
+            rows: self.rows,
+            got: source.len(),
+        };
+        if source.len() != self.rows || source.iter().any(|&s| s >= self.rows) {
+            return Err(bad);
+        }
+        let per = self.cols / QK;
+        fn gather<B: Copy>(b: &[B], per: usize, source: &[usize]) -> Vec<B> {
+            source
+                .iter()
+                .flat_map(|&s| &b[s * per..(s + 1) * per])
+                .copied()
+                .collect()
+        }
+        let blocks = match &self.blocks {
+            Blocks::Q4_1(b) => Blocks::Q4_1(gather(b, per, source)),
+            Blocks::Q4_0(b) => Blocks::Q4_0(gather(b, per, source)),
+            Blocks::Q8_0(b) => Blocks::Q8_0(gather(b, per, source)),
+        };
+        Ok(QuantMatrix { blocks, ..self })
+    }
+
+    /// Take the f32 path from `rows` rows on (`usize::MAX`: never, so
+    /// every position meets 8-bit activations, as the accuracy studies
+    /// measure).
+    pub fn with_f32_rows(self, rows: usize) -> Self {
+        QuantMatrix {
+            f32_rows: rows,
+            ..self
+        }
+    }
+
+    pub fn blocks(&self) -> &Blocks {
+        &self.blocks
+    }
+
+    pub fn dot(&self) -> Dot {
+        self.dot
+    }
+
+    /// The f32 weights these blocks stand for (rows, cols): the reference
+    /// the integer path is compared with.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = vec![0.0f32; self.rows * self.cols];
+        // Sizes checked at construction.
+        let _ = match &self.blocks {
+            Blocks::Q4_1(b) => crate::formats::dequantize_row(b, &mut out),
+            Blocks::Q4_0(b) => crate::formats::dequantize_row(b, &mut out),
+            Blocks::Q8_0(b) => crate::formats::dequantize_row(b, &mut out),
+        };
+        out
+    }
+
+    /// y (m, rows) = x (m, cols) · Wᵀ on `threads` of `pool`'s
+    /// participants: the integer path for few rows (decode), the f32 one
+    /// for many (prefill; see [`F32_GEMM_ROWS`]).
+    pub fn matmul(
+        &self,
+        x: &[f32],
+        m: usize,
+        y: &mut [f32],
+        pool: &Pool,
+        threads: usize,
+    ) -> Result<(), MatrixError> {
+        if m >= self.f32_rows && self.rows * self.cols <= F32_GEMM_MAX_WEIGHTS {
+            self.matmul_f32(x, m, y, pool, threads)
+        } else {
+            self.matmul_int(x, m, y, pool, threads)
+        }
+    }
+
+    /// Dequantise W into f32 (rows, cols) and run Project 02's sgemm: each
+    /// weight is expanded once and used m times, at f32 GEMM speed.
+    pub fn matmul_f32(
+        &self,
+        x: &[f32],
+        m: usize,
+        y: &mut [f32],
+        pool: &Pool,
+        threads: usize,
+    ) -> Result<(), MatrixError> {
+        let (n, k) = (self.rows, self.cols);
+        if x.len() != m * k || y.len() != m * n {
+            return Err(MatrixError::Size {
+                rows: m,
+                cols: k,
+                need: m * k,
+                got: x.len(),
+            });
+        }
+        let per = k / QK;
+        // Each weight row expanded once, straight into p02's packed panels.
+        let buf = PACKED.with(|b| b.take());
+        let packed =
+            p02_matmul_bench::PackedB::from_weight_rows_in(buf, n, k, threads, |j0, count, buf| {
+                let blocks = self.blocks.slice(j0 * per..(j0 + count) * per);
+                self.dot.expand(&blocks, buf);
+            });
+        let gemm = |e: p02_matmul_bench::GemmError| MatrixError::Gemm(e.to_string());
+        let _ = pool;
+        let r = p02_matmul_bench::sgemm_prepacked(
+            p02_matmul_bench::MatRef::row_major(x, m, k).map_err(gemm)?,
+            &packed,
+            &mut p02_matmul_bench::MatMut::row_major(y, m, n).map_err(gemm)?,
+            p02_matmul_bench::GemmOpts {
+                threads,
+                ..Default::default()
+            },
+        );
+        PACKED.with(|b| b.replace(packed.into_buf()));
+        r.map_err(gemm)
+    }
+
+    /// W as f32 (rows, cols) into `out`, rows split across threads.
+    pub fn dequantize_into(&self, out: &mut [f32], pool: &Pool, threads: usize) {
+        let (n, k) = (self.rows, self.cols);
+        let per = k / QK;
+        let out = SyncPtr(out.as_mut_ptr());
+        pool.for_ranges(n, threads, &|rows| {
+            let out = &out;
+            // SAFETY: `out` is n·k long (the caller sized it); each row
+            // range belongs to one thread and `out` outlives the call.
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(out.0.add(rows.start * k), rows.len() * k)
+            };
+            let blocks = rows.start * per..rows.end * per;
+            let _ = match &self.blocks {
+                Blocks::Q4_1(b) => crate::formats::dequantize_row(&b[blocks], dst),
+                Blocks::Q4_0(b) => crate::formats::dequantize_row(&b[blocks], dst),
+                Blocks::Q8_0(b) => crate::formats::dequantize_row(&b[blocks], dst),
+            };
+        });
+    }
+
+    /// The integer path: activations quantised to 8 bits, block dot products.
+    pub fn matmul_int(
+        &self,
+        x: &[f32],
+        m: usize,
+        y: &mut [f32],
+        pool: &Pool,
+        threads: usize,
+    ) -> Result<(), MatrixError> {
+        let (n, k) = (self.rows, self.cols);
+        if x.len() != m * k || y.len() != m * n {
+            return Err(MatrixError::Size {
+                rows: m,
+                cols: k,
+                need: m * k,
+                got: x.len(),
+            });
+        }
+        // Rows of k = 32·j values: quantising x as one long row gives each
+        // row's blocks, back to back.
+        SCRATCH.with(|s| {
+            let mut s = s.borrow_mut();
+            let Scratch { q8_1, q8_0 } = &mut *s;
+            match &self.blocks {
+                Blocks::Q4_1(w) => {
+                    quantize_row_into(x, q8_1)?;
+                    self.rows_times(w, q8_1, m, y, pool, threads, |w, x| {
+                        self.dot.q4_1_q8_1(w, x)
+                    });
+                }
+                Blocks::Q4_0(w) => {
+                    quantize_row_into(x, q8_0)?;
+                    self.rows_times(w, q8_0, m, y, pool, threads, |w, x| {
+                        self.dot.q4_0_q8_0(w, x)
+                    });
+                }
+                Blocks::Q8_0(w) => {
+                    quantize_row_into(x, q8_0)?;
+                    self.rows_times(w, q8_0, m, y, pool, threads, |w, x| {
+                        self.dot.q8_0_q8_0(w, x)
+                    });
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// y[i, r] = dot(W[r], X[i]) for every weight row r (split across
+    /// threads) and activation row i (in tiles, so W[r] is reused from L1).
+    #[allow(clippy::too_many_arguments)]
+    fn rows_times<W: Sync, X: Sync>(
+        &self,
+        w: &[W],
+        xq: &[X],
+        m: usize,
+        y: &mut [f32],
+        pool: &Pool,
+        threads: usize,
+        dot: impl Fn(&[W], &[X]) -> f32 + Sync,
+    ) {
+        const TILE: usize = 64;
+        let (n, per) = (self.rows, self.cols / QK);
+        let out = SyncPtr(y.as_mut_ptr());
+        pool.for_ranges(n, threads, &|rows| {
+            let out = &out;
+            for i0 in (0..m).step_by(TILE) {
+                for r in rows.clone() {
+                    let wr = &w[r * per..(r + 1) * per];
+                    for i in i0..(i0 + TILE).min(m) {
+                        let v = dot(wr, &xq[i * per..(i + 1) * per]);
+                        // SAFETY: i < m and r < n, so the index is inside
+                        // `y` (m·n long, checked by the caller); each r
+                        // belongs to one range, so no two threads write the
+                        // same element, and `y` outlives `for_ranges`.
+                        unsafe { *out.0.add(i * n + r) = v };
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// `y`'s pointer, shared by the threads that write disjoint elements of it.
+struct SyncPtr(*mut f32);
+// SAFETY: used only as described at the write above.
+unsafe impl Sync for SyncPtr {}
+
+/// Per-thread buffers for the quantised activations (no allocation per
+/// product once warm).
+#[derive(Default)]
+struct Scratch {
+    q8_1: Vec<BlockQ8_1>,
+    q8_0: Vec<BlockQ8_0>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+    /// The prefill path's packing buffer, kept between products.
+    static PACKED: RefCell<p02_matmul_bench::AlignedBuf> = RefCell::new(Default::default());
+}
+
+/// Products of at least this many rows dequantise W and run f32 sgemm:
+/// expanding a weight costs about as much as 16 integer multiply-adds with
+/// it, and the f32 kernel is the faster one per multiply-add (see the
+/// README's measurements).
+pub const F32_GEMM_ROWS: usize = 16;
+
+/// Larger matrices (the 49,152-row head: 113 MB in f32) always take the
+/// integer path: expanding them would cost more memory than it saves time.
+pub const F32_GEMM_MAX_WEIGHTS: usize = 8 << 20;
+
+impl LinearWeights for QuantMatrix {
+    fn out_features(&self) -> usize {
+        self.rows
+    }
+
+    fn in_features(&self) -> usize {
+        self.cols
+    }
+
+    fn apply_into(
+        &self,
+        x: &[f32],
+        rows: usize,
+        y: &mut [f32],
+        threads: usize,
+    ) -> Result<(), ModelError> {
+        self.matmul(x, rows, y, Pool::global(), threads)
+            .map_err(|e| ModelError::Weights {
+                name: self.blocks.name().into(),
+                msg: e.to_string(),
+            })
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.blocks.len() * self.blocks.block_bytes()
+    }
+
+    fn format(&self) -> &str {
+        self.blocks.name()
+    }
+}

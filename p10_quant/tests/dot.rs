@@ -1,0 +1,290 @@
+//! Every SIMD dot product against the scalar reference, on random blocks
+//! and on the extremes (|q| = 127, all-equal blocks whose scale is 0, the
+//! largest nibbles, huge and tiny scales, rows of 1 to 40 blocks); and the
+//! integer path against the dequantise-then-f32 one within the bound that
+//! 8-bit activations allow.
+
+use common::rng::Rng;
+use half::f16;
+use p10_quant::formats::{
+    dequantize_row, quantize_row, Block, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, QK,
+};
+use p10_quant::{Dot, Isa};
+
+fn h(x: f32) -> u16 {
+    f16::from_f32(x).to_bits()
+}
+
+fn normal(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            // Box-Muller.
+            let (u, v) = (rng.next_f64().max(1e-12), rng.next_f64());
+            ((-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()) as f32 * scale
+        })
+        .collect()
+}
+
+/// Raw blocks with random codes: every bit pattern the kernels may meet
+/// (weights' nibbles 0..15, activations' q in −127..127).
+fn raw_q4_1(rng: &mut Rng, n: usize) -> Vec<BlockQ4_1> {
+    (0..n)
+        .map(|_| BlockQ4_1 {
+            d: h(rng.next_f64() as f32 * 0.1),
+            m: h(-(rng.next_f64() as f32)),
+            qs: std::array::from_fn(|_| rng.below(256) as u8),
+        })
+        .collect()
+}
+
+fn raw_q8(rng: &mut Rng) -> [i8; QK] {
+    std::array::from_fn(|_| (rng.below(255) as i32 - 127) as i8)
+}
+
+/// Cases: (label, weights row as f32, activations row as f32). Rows are
+/// quantised by the crate's quantisers; raw-code cases come separately.
+fn f32_cases(rng: &mut Rng) -> Vec<(String, Vec<f32>, Vec<f32>)> {
+    let mut v = Vec::new();
+    for nb in [1, 2, 3, 7, 18, 40] {
+        let n = nb * QK;
+        v.push((
+            format!("normal {nb}"),
+            normal(rng, n, 1.0),
+            normal(rng, n, 3.0),
+        ));
+        // Large activations, with Q8_1's s (an f16: d·Σq must stay
+        // under 65,504, as in llama.cpp) still finite.
+        v.push((
+            format!("large x {nb}"),
+            normal(rng, n, 0.02),
+            normal(rng, n, 150.0),
+        ));
+        v.push((
+            format!("tiny {nb}"),
+            normal(rng, n, 1e-3),
+            normal(rng, n, 1e-4),
+        ));
+    }
+    // All equal: Q4_1's d = 0 (everything in m), Q8's q = ±127 everywhere.
+    v.push(("constant".into(), vec![0.25; 64], vec![-2.0; 64]));
+    v.push(("zeros".into(), vec![0.0; 64], normal(rng, 64, 1.0)));
+    let mut spike = normal(rng, 96, 0.01);
+    spike[3] = 9.0;
+    spike[70] = -9.0;
+    v.push(("outliers".into(), spike.clone(), spike));
+    v
+}
+
+fn tested_paths() -> Vec<Dot> {
+    let paths: Vec<Dot> = Isa::available()
+        .into_iter()
+        .map(|i| Dot::new(i).unwrap())
+        .collect();
+    eprintln!(
+        "paths tested against the scalar reference: {:?}",
+        Isa::available()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        assert!(
+            Isa::available().contains(&Isa::Avx2),
+            "an AVX2 CPU must test the AVX2 path"
+        );
+    }
+    paths
+}
+
+/// |a − b| within float reassociation of the per-block terms.
+fn close(a: f32, b: f32, scale: f32) -> bool {
+    (a - b).abs() <= 1e-5 * scale + f32::MIN_POSITIVE
+}
+
+#[test]
+fn simd_paths_equal_the_scalar_reference() {
+    let mut rng = Rng::new(7);
+    let scalar = Dot::new(Isa::Scalar).unwrap();
+    let mut checked = 0;
+    for dot in tested_paths() {
+        for (label, w, x) in f32_cases(&mut rng) {
+            let w41: Vec<BlockQ4_1> = quantize_row(&w).unwrap();
+            let w40: Vec<BlockQ4_0> = quantize_row(&w).unwrap();
+            let w80: Vec<BlockQ8_0> = quantize_row(&w).unwrap();
+            let x81: Vec<BlockQ8_1> = quantize_row(&x).unwrap();
+            let x80: Vec<BlockQ8_0> = quantize_row(&x).unwrap();
+            let scale: f32 = w.iter().zip(&x).map(|(a, b)| (a * b).abs()).sum::<f32>()
+                + x.iter().map(|b| b.abs()).sum::<f32>()
+                    * w.iter().map(|a| a.abs()).fold(0.0, f32::max);
+            for (name, a, b) in [
+                (
+                    "q4_1",
+                    dot.q4_1_q8_1(&w41, &x81),
+                    scalar.q4_1_q8_1(&w41, &x81),
+                ),
+                (
+                    "q4_0",
+                    dot.q4_0_q8_0(&w40, &x80),
+                    scalar.q4_0_q8_0(&w40, &x80),
+                ),
+                (
+                    "q8_0",
+                    dot.q8_0_q8_0(&w80, &x80),
+                    scalar.q8_0_q8_0(&w80, &x80),
+                ),
+            ] {
+                assert!(
+                    close(a, b, scale),
+                    "{} {name} {label}: {a} vs {b}",
+                    dot.isa()
+                );
+                checked += 1;
+            }
+        }
+        // Raw codes: every nibble, |q| up to 127.
+        for nb in 1..=40 {
+            let w = raw_q4_1(&mut rng, nb);
+            let x: Vec<BlockQ8_1> = (0..nb)
+                .map(|_| {
+                    let qs = raw_q8(&mut rng);
+                    let d = rng.next_f64() as f32;
+                    let s: i32 = qs.iter().map(|&q| q as i32).sum();
+                    BlockQ8_1 {
+                        d: h(d),
+                        s: h(d * s as f32),
+                        qs,
+                    }
+                })
+                .collect();
+            let (a, b) = (dot.q4_1_q8_1(&w, &x), scalar.q4_1_q8_1(&w, &x));
+            let scale = 127.0 * 15.0 * 32.0 * nb as f32;
+            assert!(
+                close(a, b, scale),
+                "{} raw q4_1 {nb}: {a} vs {b}",
+                dot.isa()
+            );
+            let w8: Vec<BlockQ8_0> = (0..nb)
+                .map(|_| BlockQ8_0 {
+                    d: h(0.01),
+                    qs: raw_q8(&mut rng),
+                })
+                .collect();
+            let x8: Vec<BlockQ8_0> = (0..nb)
+                .map(|_| BlockQ8_0 {
+                    d: h(2.0),
+                    qs: raw_q8(&mut rng),
+                })
+                .collect();
+            let (a, b) = (dot.q8_0_q8_0(&w8, &x8), scalar.q8_0_q8_0(&w8, &x8));
+            assert!(
+                close(a, b, 127.0 * 127.0 * 0.02 * 32.0 * nb as f32),
+                "{} raw q8_0 {nb}",
+                dot.isa()
+            );
+            let w4: Vec<BlockQ4_0> = (0..nb)
+                .map(|_| BlockQ4_0 {
+                    d: h(0.3),
+                    qs: std::array::from_fn(|_| rng.below(256) as u8),
+                })
+                .collect();
+            let (a, b) = (dot.q4_0_q8_0(&w4, &x8), scalar.q4_0_q8_0(&w4, &x8));
+            assert!(
+                close(a, b, 8.0 * 127.0 * 0.6 * 32.0 * nb as f32),
+                "{} raw q4_0 {nb}",
+                dot.isa()
+            );
+            checked += 3;
+        }
+        // All codes at their extremes: saturation would show here.
+        let w = vec![
+            BlockQ4_1 {
+                d: h(1.0),
+                m: h(0.0),
+                qs: [0xff; 16]
+            };
+            4
+        ];
+        let x = vec![
+            BlockQ8_1 {
+                d: h(1.0),
+                s: h(127.0 * 32.0),
+                qs: [127; QK]
+            };
+            4
+        ];
+        assert_eq!(dot.q4_1_q8_1(&w, &x), 4.0 * 15.0 * 127.0 * 32.0);
+        let w8 = vec![
+            BlockQ8_0 {
+                d: h(1.0),
+                qs: [-127; QK]
+            };
+            4
+        ];
+        let x8 = vec![
+            BlockQ8_0 {
+                d: h(1.0),
+                qs: [127; QK]
+            };
+            4
+        ];
+        assert_eq!(dot.q8_0_q8_0(&w8, &x8), -4.0 * 127.0 * 127.0 * 32.0);
+        let w4 = vec![
+            BlockQ4_0 {
+                d: h(1.0),
+                qs: [0x00; 16]
+            };
+            4
+        ];
+        let x4 = vec![
+            BlockQ8_0 {
+                d: h(1.0),
+                qs: [-127; QK]
+            };
+            4
+        ];
+        assert_eq!(dot.q4_0_q8_0(&w4, &x4), 4.0 * 8.0 * 127.0 * 32.0);
+    }
+    assert!(checked > 0);
+}
+
+/// The integer path against f32: dequantised weights times the original
+/// activations. Quantising x moves each value by at most d_x/2 (plus d's
+/// rounding to f16: 127 · d_x · 2⁻¹¹ ≈ 0.06 d_x), so per block the
+/// difference is at most Σ|w| · 0.57 d_x; Q8_1's s adds its own f16
+/// rounding (|m · s| · 2⁻¹¹).
+#[test]
+fn integer_dots_stay_within_the_activation_quantisation_bound() {
+    let mut rng = Rng::new(11);
+    for dot in tested_paths() {
+        for (label, w, x) in f32_cases(&mut rng) {
+            let n = w.len();
+            let w41: Vec<BlockQ4_1> = quantize_row(&w).unwrap();
+            let x81: Vec<BlockQ8_1> = quantize_row(&x).unwrap();
+            let mut wd = vec![0.0f32; n];
+            dequantize_row(&w41, &mut wd).unwrap();
+            let exact: f64 = wd.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
+            let mut bound = 0.0f64;
+            for (j, (wb, xb)) in w41.iter().zip(&x81).enumerate() {
+                let dx = f16::from_bits(xb.d).to_f32() as f64;
+                let wsum: f64 = wd[j * QK..(j + 1) * QK]
+                    .iter()
+                    .map(|v| v.abs() as f64)
+                    .sum();
+                let ms =
+                    (f16::from_bits(wb.m).to_f32() * f16::from_bits(xb.s).to_f32()).abs() as f64;
+                bound += wsum * 0.57 * dx + ms * 2f64.powi(-10);
+            }
+            let got = dot.q4_1_q8_1(&w41, &x81) as f64;
+            let slack = 1e-5
+                * wd.iter()
+                    .zip(&x)
+                    .map(|(a, b)| (a * b).abs() as f64)
+                    .sum::<f64>()
+                + 1e-30;
+            assert!(
+                (got - exact).abs() <= bound + slack,
+                "{} {label}: {got} vs {exact} (bound {bound})",
+                dot.isa()
+            );
+            let _ = BlockQ4_1::BYTES;
+        }
+    }
+}

@@ -1,0 +1,143 @@
+//! A quantised matrix product equals its rows' dot products exactly, for
+//! decode (m = 1) and prefill shapes (m crossing the 64-row tile), on one
+//! thread or two; and it is the f32 product of the dequantised weights up
+//! to the activations' 8-bit rounding.
+
+use common::rng::Rng;
+use p10_quant::formats::{quantize_row, BlockQ8_0, BlockQ8_1, QK};
+use p10_quant::matrix::MatrixError;
+use p10_quant::{Blocks, Dot, Format, Isa, Pool, QuantMatrix};
+
+fn random(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| (rng.next_f64() as f32 * 2.0 - 1.0) * scale)
+        .collect()
+}
+
+#[test]
+fn products_equal_row_dots_on_any_thread_count() {
+    let mut rng = Rng::new(3);
+    let pool = Pool::new(2, std::time::Duration::from_micros(100));
+    let (n, k) = (45, 96);
+    let w = random(&mut rng, n * k, 0.5);
+    for isa in Isa::available() {
+        let dot = Dot::new(isa).unwrap();
+        for format in [Format::Q4_1, Format::Q4_0, Format::Q8_0] {
+            let mat = QuantMatrix::quantize(&w, n, k, format, dot).unwrap();
+            for m in [1, 3, 70] {
+                let x = random(&mut rng, m * k, 2.0);
+                let mut want = vec![0.0f32; m * n];
+                for i in 0..m {
+                    let xi = &x[i * k..(i + 1) * k];
+                    for r in 0..n {
+                        let per = k / QK;
+                        want[i * n + r] = match mat.blocks() {
+                            Blocks::Q4_1(b) => {
+                                let xq: Vec<BlockQ8_1> = quantize_row(xi).unwrap();
+                                dot.q4_1_q8_1(&b[r * per..(r + 1) * per], &xq)
+                            }
+                            Blocks::Q4_0(b) => {
+                                let xq: Vec<BlockQ8_0> = quantize_row(xi).unwrap();
+                                dot.q4_0_q8_0(&b[r * per..(r + 1) * per], &xq)
+                            }
+                            Blocks::Q8_0(b) => {
+                                let xq: Vec<BlockQ8_0> = quantize_row(xi).unwrap();
+                                dot.q8_0_q8_0(&b[r * per..(r + 1) * per], &xq)
+                            }
+                        };
+                    }
+                }
+                for threads in [1, 2] {
+                    let mut y = vec![f32::NAN; m * n];
+                    mat.matmul_int(&x, m, &mut y, &pool, threads).unwrap();
+                    assert_eq!(y, want, "{isa} {format:?} m={m} threads={threads}");
+                }
+                // Against f32 on the dequantised weights: within 2% of the
+                // output's scale (8-bit activations: ~0.4% per value, averaged
+                // over k = 96 terms).
+                let wd = mat.dequantize();
+                let mut y = vec![0.0f32; m * n];
+                mat.matmul_int(&x, m, &mut y, &pool, 2).unwrap();
+                for i in 0..m {
+                    for r in 0..n {
+                        let terms = (0..k).map(|j| wd[r * k + j] * x[i * k + j]);
+                        let exact: f32 = terms.clone().sum();
+                        let scale: f32 = terms.map(f32::abs).sum();
+                        assert!(
+                            (y[i * n + r] - exact).abs() <= 0.02 * scale,
+                            "{isa} {format:?} ({i}, {r}): {} vs {exact}",
+                            y[i * n + r]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn shapes_and_permutations_are_checked() {
+    let dot = Dot::new(Isa::Scalar).unwrap();
+    let w = vec![0.5f32; 4 * 64];
+    assert!(matches!(
+        QuantMatrix::quantize(&w, 4, 64, Format::Q8_0, dot)
+            .unwrap()
+            .permute_rows(&[0, 1, 2]),
+        Err(MatrixError::Permutation { .. })
+    ));
+    assert!(QuantMatrix::quantize(&w, 8, 32, Format::Q4_1, dot).is_ok());
+    assert!(QuantMatrix::quantize(&w, 4, 60, Format::Q4_1, dot).is_err());
+    let m = QuantMatrix::quantize(&w, 4, 64, Format::Q4_1, dot).unwrap();
+    let mut y = vec![0.0; 4];
+    let pool = Pool::new(1, std::time::Duration::ZERO);
+    assert!(m.matmul(&[0.0; 63], 1, &mut y, &pool, 1).is_err());
+    // Permuting rows moves whole rows of blocks.
+    let mut rng = Rng::new(1);
+    let w = random(&mut rng, 4 * 64, 1.0);
+    let m = QuantMatrix::quantize(&w, 4, 64, Format::Q4_1, dot).unwrap();
+    let d = m.dequantize();
+    let p = QuantMatrix::quantize(&w, 4, 64, Format::Q4_1, dot)
+        .unwrap()
+        .permute_rows(&[2, 0, 3, 1])
+        .unwrap();
+    let dp = p.dequantize();
+    for (dst, src) in [2, 0, 3, 1].into_iter().enumerate() {
+        assert_eq!(dp[dst * 64..(dst + 1) * 64], d[src * 64..(src + 1) * 64]);
+    }
+}
+
+/// The prefill path (weights expanded into p02's packed panels, f32 sgemm)
+/// is the product of the dequantised weights: equal to a naive f64 product
+/// within f32 summation error (the SIMD expansion rounds once per weight,
+/// the reference twice: an ulp).
+#[test]
+fn the_f32_path_is_the_dequantised_product() {
+    let mut rng = Rng::new(5);
+    let pool = Pool::new(2, std::time::Duration::from_micros(100));
+    let (n, k, m) = (300, 576, 40);
+    let w = random(&mut rng, n * k, 0.5);
+    let x = random(&mut rng, m * k, 2.0);
+    for isa in Isa::available() {
+        for format in [Format::Q4_1, Format::Q8_0, Format::Q4_0] {
+            let mat = QuantMatrix::quantize(&w, n, k, format, Dot::new(isa).unwrap()).unwrap();
+            let wd = mat.dequantize();
+            let mut y = vec![0.0f32; m * n];
+            mat.matmul_f32(&x, m, &mut y, &pool, 2).unwrap();
+            for i in 0..m {
+                for r in 0..n {
+                    let exact: f64 = (0..k)
+                        .map(|j| wd[r * k + j] as f64 * x[i * k + j] as f64)
+                        .sum();
+                    let scale: f64 = (0..k)
+                        .map(|j| (wd[r * k + j] * x[i * k + j]).abs() as f64)
+                        .sum();
+                    let got = y[i * n + r] as f64;
+                    assert!(
+                        (got - exact).abs() <= 1e-5 * scale + 1e-30,
+                        "{isa} {format:?} ({i}, {r}): {got} vs {exact}"
+                    );
+                }
+            }
+        }
+    }
+}
