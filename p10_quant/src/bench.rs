@@ -121,7 +121,8 @@ fn log_softmax(x: &[f32]) -> Vec<f64> {
     x.iter().map(|&v| v as f64 - lse).collect()
 }
 
-fn argmax(x: &[f32]) -> usize {
+/// Index of the largest value (the first on a tie).
+pub fn argmax(x: &[f32]) -> usize {
     x.iter()
         .enumerate()
         .fold(

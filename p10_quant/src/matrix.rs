@@ -103,6 +103,14 @@ pub enum MatrixError {
     Permutation { rows: usize, got: usize },
     #[error("f32 product: {0}")]
     Gemm(String),
+    #[error("x has {x} values and y {y}; {m} rows need {} and {}", m * k, m * n)]
+    Io {
+        m: usize,
+        x: usize,
+        y: usize,
+        k: usize,
+        n: usize,
+    },
 }
 
 /// W (rows = out features, cols = in features) in blocks.
@@ -259,7 +267,7 @@ impl QuantMatrix {
         threads: usize,
     ) -> Result<(), MatrixError> {
         if m >= self.f32_rows && self.rows * self.cols <= F32_GEMM_MAX_WEIGHTS {
-            self.matmul_f32(x, m, y, pool, threads)
+            self.matmul_f32(x, m, y, threads)
         } else {
             self.matmul_int(x, m, y, pool, threads)
         }
@@ -272,18 +280,9 @@ impl QuantMatrix {
         x: &[f32],
         m: usize,
         y: &mut [f32],
-        pool: &Pool,
         threads: usize,
     ) -> Result<(), MatrixError> {
-        let (n, k) = (self.rows, self.cols);
-        if x.len() != m * k || y.len() != m * n {
-            return Err(MatrixError::Size {
-                rows: m,
-                cols: k,
-                need: m * k,
-                got: x.len(),
-            });
-        }
+        let (n, k) = self.check_io(x, m, y)?;
         let per = k / QK;
         // Each weight row expanded once, straight into p02's packed panels.
         let buf = PACKED.with(|b| b.take());
@@ -293,7 +292,6 @@ impl QuantMatrix {
                 self.dot.expand(&blocks, buf);
             });
         let gemm = |e: p02_matmul_bench::GemmError| MatrixError::Gemm(e.to_string());
-        let _ = pool;
         let r = p02_matmul_bench::sgemm_prepacked(
             p02_matmul_bench::MatRef::row_major(x, m, k).map_err(gemm)?,
             &packed,
@@ -307,25 +305,19 @@ impl QuantMatrix {
         r.map_err(gemm)
     }
 
-    /// W as f32 (rows, cols) into `out`, rows split across threads.
-    pub fn dequantize_into(&self, out: &mut [f32], pool: &Pool, threads: usize) {
+    /// (n, k) once x is (m, k) and y is (m, n).
+    fn check_io(&self, x: &[f32], m: usize, y: &[f32]) -> Result<(usize, usize), MatrixError> {
         let (n, k) = (self.rows, self.cols);
-        let per = k / QK;
-        let out = SyncPtr(out.as_mut_ptr());
-        pool.for_ranges(n, threads, &|rows| {
-            let out = &out;
-            // SAFETY: `out` is n·k long (the caller sized it); each row
-            // range belongs to one thread and `out` outlives the call.
-            let dst = unsafe {
-                std::slice::from_raw_parts_mut(out.0.add(rows.start * k), rows.len() * k)
-            };
-            let blocks = rows.start * per..rows.end * per;
-            let _ = match &self.blocks {
-                Blocks::Q4_1(b) => crate::formats::dequantize_row(&b[blocks], dst),
-                Blocks::Q4_0(b) => crate::formats::dequantize_row(&b[blocks], dst),
-                Blocks::Q8_0(b) => crate::formats::dequantize_row(&b[blocks], dst),
-            };
-        });
+        if Some(x.len()) != m.checked_mul(k) || Some(y.len()) != m.checked_mul(n) {
+            return Err(MatrixError::Io {
+                m,
+                x: x.len(),
+                y: y.len(),
+                k,
+                n,
+            });
+        }
+        Ok((n, k))
     }
 
     /// The integer path: activations quantised to 8 bits, block dot products.
@@ -337,15 +329,7 @@ impl QuantMatrix {
         pool: &Pool,
         threads: usize,
     ) -> Result<(), MatrixError> {
-        let (n, k) = (self.rows, self.cols);
-        if x.len() != m * k || y.len() != m * n {
-            return Err(MatrixError::Size {
-                rows: m,
-                cols: k,
-                need: m * k,
-                got: x.len(),
-            });
-        }
+        self.check_io(x, m, y)?;
         // Rows of k = 32·j values: quantising x as one long row gives each
         // row's blocks, back to back.
         SCRATCH.with(|s| {

@@ -113,7 +113,6 @@ fn shapes_and_permutations_are_checked() {
 #[test]
 fn the_f32_path_is_the_dequantised_product() {
     let mut rng = Rng::new(5);
-    let pool = Pool::new(2, std::time::Duration::from_micros(100));
     let (n, k, m) = (300, 576, 40);
     let w = random(&mut rng, n * k, 0.5);
     let x = random(&mut rng, m * k, 2.0);
@@ -122,7 +121,7 @@ fn the_f32_path_is_the_dequantised_product() {
             let mat = QuantMatrix::quantize(&w, n, k, format, Dot::new(isa).unwrap()).unwrap();
             let wd = mat.dequantize();
             let mut y = vec![0.0f32; m * n];
-            mat.matmul_f32(&x, m, &mut y, &pool, 2).unwrap();
+            mat.matmul_f32(&x, m, &mut y, 2).unwrap();
             for i in 0..m {
                 for r in 0..n {
                     let exact: f64 = (0..k)

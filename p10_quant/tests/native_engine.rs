@@ -11,7 +11,7 @@
 use std::sync::OnceLock;
 
 use common::st;
-use p10_quant::bench::accuracy;
+use p10_quant::bench::{accuracy, argmax};
 use p10_quant::{Dot, Isa, NativeWeights};
 
 const KL_MAX: f64 = 0.01;
@@ -48,16 +48,6 @@ fn prompts() -> Vec<Vec<u32>> {
                 .collect()
         })
         .collect()
-}
-
-fn argmax(x: &[f32]) -> usize {
-    x.iter()
-        .enumerate()
-        .fold(
-            (0, f32::NEG_INFINITY),
-            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
-        )
-        .0
 }
 
 #[test]
