@@ -15,7 +15,8 @@ use common::Model;
 use crate::llama_engine::LlamaEngine;
 use crate::sampling::argmax;
 
-fn ids(n: usize) -> Vec<u32> {
+/// `n` fixed token ids (the benches' synthetic prompt).
+pub fn ids(n: usize) -> Vec<u32> {
     (0..n).map(|i| ((100 + 37 * i) % 49152) as u32).collect()
 }
 
@@ -58,6 +59,17 @@ pub fn speeds(engine: &LlamaEngine) -> Result<(f64, f64)> {
         dec.push(128.0 / t.elapsed().as_secs_f64());
     }
     Ok((summarize(&pre).median, summarize(&dec).median))
+}
+
+/// Median prefill tok/s of `n` tokens over 3 runs.
+pub fn prefill_speed(engine: &LlamaEngine, n: usize) -> Result<f64> {
+    let mut s = Vec::new();
+    for _ in 0..3 {
+        let t = Instant::now();
+        let _ = engine.prefill(&ids(n), n + 1)?;
+        s.push(n as f64 / t.elapsed().as_secs_f64());
+    }
+    Ok(summarize(&s).median)
 }
 
 /// Where one decode step's time goes at position `pos`: (label, seconds).

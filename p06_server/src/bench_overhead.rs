@@ -17,7 +17,6 @@ use common::numbers::{Recorder, Row};
 use common::rng::Rng;
 use common::stats::summarize;
 use p05_kv_cache::generate::{GenerateParams, Generator};
-use p05_kv_cache::sampling::SamplingParams;
 
 use crate::bench::{random_prompt, spawn_server, BenchArgs};
 use crate::SerialEngine;
@@ -155,15 +154,7 @@ fn direct_sample<M: common::Model>(
     ids: &[u32],
     out: usize,
 ) -> Result<Sample> {
-    let params = GenerateParams {
-        max_tokens: out,
-        sampling: SamplingParams::default(),
-        stop_ids: vec![],
-        stop_strings: vec![],
-        ignore_eos: true,
-        min_tokens: 0,
-        logprobs: None,
-    };
+    let params = GenerateParams::greedy(out);
     let t0 = Instant::now();
     let mut g = Generator::start(model, tok, ids, &params).map_err(|e| anyhow::anyhow!("{e}"))?;
     g.next_token().map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -88,11 +88,7 @@ fn members_equal_alone<M: BatchModel>(model: &M, tok: &Tokenizer, members: &[(Ve
         assert_eq!(together[i].0.len(), m.1, "member {i}: token count");
         for (step, (a, b)) in together[i].1.iter().zip(&alone.1).enumerate() {
             let scale = b.iter().fold(0.0f32, |s, x| s.max(x.abs()));
-            let d = a
-                .iter()
-                .zip(b)
-                .fold(0.0f32, |s, (x, y)| s.max((x - y).abs()))
-                / scale;
+            let d = common::compare::diff(a, b, 0.0, 0.0).unwrap().max_abs / scale;
             worst = worst.max(d);
             assert!(
                 d <= 1e-5,

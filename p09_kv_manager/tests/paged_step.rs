@@ -69,11 +69,7 @@ fn compare(engine: &LlamaEngine, block_size: usize, prompts: &[Vec<u32>], steps:
         // grouping), within 1e-5 as Project 07's batched-vs-alone test.
         for (i, (a, b)) in want.chunks(vocab).zip(got.chunks(vocab)).enumerate() {
             let scale = a.iter().fold(0.0f32, |s, x| s.max(x.abs()));
-            let d = a
-                .iter()
-                .zip(b)
-                .fold(0.0f32, |s, (x, y)| s.max((x - y).abs()))
-                / scale;
+            let d = common::compare::diff(a, b, 0.0, 0.0).unwrap().max_abs / scale;
             worst = worst.max(d);
             assert!(d <= 1e-5, "step {step}, block size {block_size}, sequence {i}: logits differ by {d:e} of scale");
         }

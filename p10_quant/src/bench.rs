@@ -14,17 +14,17 @@
 //! 5. resident memory after loading, f32 vs native (a child process each).
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
 use common::numbers::{command_line, Recorder, Row};
 use common::plot::{line_chart, Labels, Scale, Series};
-use common::stats::{summarize, time_it, BenchConfig};
-use common::Model;
+use common::stats::{time_it, BenchConfig};
 use p04_transformer::Proj;
 use p05_kv_cache::llama_engine::LlamaEngine;
 use p05_kv_cache::load::Loaded;
+use p05_kv_cache::sampling::argmax;
 
 use crate::{Dot, NativeWeights};
 
@@ -61,10 +61,6 @@ pub fn rss_bytes() -> usize {
         .ok()
         .and_then(|s| s.split_whitespace().nth(1)?.parse::<usize>().ok())
         .map_or(0, |pages| pages * 4096)
-}
-
-fn ids(n: usize) -> Vec<u32> {
-    (0..n).map(|i| ((100 + 37 * i) % 49152) as u32).collect()
 }
 
 /// Every projection of the model, with a label of its kind.
@@ -119,28 +115,6 @@ fn log_softmax(x: &[f32]) -> Vec<f64> {
     let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let lse = x.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln() + m;
     x.iter().map(|&v| v as f64 - lse).collect()
-}
-
-/// Index of the largest value (the first on a tie).
-pub fn argmax(x: &[f32]) -> usize {
-    x.iter()
-        .enumerate()
-        .fold(
-            (0, f32::NEG_INFINITY),
-            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
-        )
-        .0
-}
-
-/// Median prefill tok/s of `n` tokens over 3 runs.
-fn prefill_speed(e: &LlamaEngine, n: usize) -> Result<f64> {
-    let mut s = Vec::new();
-    for _ in 0..3 {
-        let t = Instant::now();
-        let _ = e.prefill(&ids(n), n + 1)?;
-        s.push(n as f64 / t.elapsed().as_secs_f64());
-    }
-    Ok(summarize(&s).median)
 }
 
 /// Median seconds of one product x (1, in) → (1, out).
@@ -262,7 +236,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let bytes_f32 = bytes_per_token(fe) as f64;
     let (pre_f, dec_f) = p05_kv_cache::bench::speeds(fe)?;
     let (pre_n, dec_n) = p05_kv_cache::bench::speeds(ne)?;
-    let (pre1k_f, pre1k_n) = (prefill_speed(fe, 1024)?, prefill_speed(ne, 1024)?);
+    let prefill = p05_kv_cache::bench::prefill_speed;
+    let (pre1k_f, pre1k_n) = (prefill(fe, 1024)?, prefill(ne, 1024)?);
     println!("2. decode tok/s: f32 {dec_f:.1}, native {dec_n:.1}; prefill 256: f32 {pre_f:.0}, native {pre_n:.0}; prefill 1024: f32 {pre1k_f:.0}, native {pre1k_n:.0}");
     rows.push(Row::new("p10 decode f32, 128 after 16", dec_f, "tok/s"));
     rows.push(

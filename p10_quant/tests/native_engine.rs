@@ -11,7 +11,8 @@
 use std::sync::OnceLock;
 
 use common::st;
-use p10_quant::bench::{accuracy, argmax};
+use p05_kv_cache::sampling::argmax;
+use p10_quant::bench::accuracy;
 use p10_quant::{Dot, Isa, NativeWeights};
 
 const KL_MAX: f64 = 0.01;
@@ -76,7 +77,7 @@ fn integer_path_stays_close_to_f32_and_transformers() {
             let want = fx.tensor(&format!("p{p}/last_logits")).unwrap().data();
             let got = m.forward(ids, 1, ids.len()).unwrap();
             let last = &got.data()[(ids.len() - 1) * want.len()..];
-            let (ours, theirs) = (argmax(last), argmax(want));
+            let (ours, theirs) = (argmax(last) as usize, argmax(want) as usize);
             let gap = want[theirs] - want[ours];
             eprintln!("{isa} prompt {p}: native picks {ours}, transformers {theirs} (gap {gap})");
             assert!(
