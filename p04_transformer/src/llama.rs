@@ -145,17 +145,23 @@ impl Llama {
         let (hd, d) = (cfg.head_dim, cfg.hidden_size);
         // A projection (out, in): in the loader's format, else f32 (Q and K
         // rows put back in HF order either way).
-        let proj = |name: &str, out: usize, inp: usize, heads: Option<usize>| {
+        let native = |name: &str, out: usize, inp: usize, heads: Option<usize>| {
             let rows = heads.map(|h| qk_row_source(h, hd));
-            if let Some(p) = loader.load(f, name, [out, inp], rows.as_deref())? {
-                if (p.out_features(), p.in_features()) != (out, inp) {
-                    return Err(ModelError::Shape {
-                        path: f.path.clone(),
-                        name: name.to_string(),
-                        expected: vec![out, inp],
-                        found: vec![p.out_features(), p.in_features()],
-                    });
-                }
+            let Some(p) = loader.load(f, name, [out, inp], rows.as_deref())? else {
+                return Ok(None);
+            };
+            if (p.out_features(), p.in_features()) != (out, inp) {
+                return Err(ModelError::Shape {
+                    path: f.path.clone(),
+                    name: name.to_string(),
+                    expected: vec![out, inp],
+                    found: vec![p.out_features(), p.in_features()],
+                });
+            }
+            Ok(Some(p))
+        };
+        let proj = |name: &str, out: usize, inp: usize, heads: Option<usize>| {
+            if let Some(p) = native(name, out, inp, heads)? {
                 return Ok(p);
             }
             let w = src.get(name, &[out, inp])?;
@@ -184,12 +190,14 @@ impl Llama {
         }
         let tok_embd = src.get("token_embd.weight", &[cfg.vocab_size, d])?;
         let tied = !h.tensors.iter().any(|t| t.name == "output.weight");
-        let head_name = if tied {
-            "token_embd.weight"
+        // A tied f32 head packs the embedding table already read.
+        let lm_head = if !tied {
+            proj("output.weight", cfg.vocab_size, d, None)?
+        } else if let Some(p) = native("token_embd.weight", cfg.vocab_size, d, None)? {
+            p
         } else {
-            "output.weight"
+            Proj::new(&tok_embd, cfg.vocab_size, d)?
         };
-        let lm_head = proj(head_name, cfg.vocab_size, d, None)?;
         Ok(Llama {
             tok_embd,
             out_norm: src.get("output_norm.weight", &[d])?,
