@@ -223,8 +223,9 @@ impl PackedB {
         let fill = |sliver: usize, w: &mut Vec<f32>| {
             let j0 = sliver * nr;
             let count = nr.min(n - j0);
-            w.clear();
+            // Rows past N stay zero; the others are overwritten by `rows`.
             w.resize(nr * k, 0.0);
+            w[count * k..].fill(0.0);
             rows(j0, count, &mut w[..count * k]);
             let (jci, s) = (j0 / nc, (j0 % nc) / nr);
             for (pci, &(pc, kcb)) in pcs.iter().enumerate() {
@@ -233,11 +234,7 @@ impl PackedB {
                 // panel (jci, pci), inside the `total` floats allocated; no
                 // other sliver writes it, and `buf` outlives the threads.
                 let dst = unsafe { std::slice::from_raw_parts_mut(data.get().add(base), kcb * nr) };
-                for (p, d) in dst.chunks_exact_mut(nr).enumerate() {
-                    for (c, v) in d.iter_mut().enumerate() {
-                        *v = w[c * k + pc + p];
-                    }
-                }
+                crate::pack::transpose_sliver(w, k, pc, kcb, nr, dst);
             }
         };
         let slivers: Vec<usize> = (0..n.div_ceil(nc))

@@ -92,3 +92,119 @@ pub fn pack_b(
         }
     }
 }
+
+/// One sliver of B = Wᵀ from NR rows of W (row stride `ld`):
+/// dst[p·nr + c] = w[c·ld + p0 + p] for p < kc, c < nr. This transpose is
+/// what packing a weight matrix costs; it runs in 8×8 tiles in AVX
+/// registers where the CPU has them (and nr is a multiple of 8), in
+/// [`transpose_sliver_scalar`] otherwise.
+///
+/// # Panics
+/// If `w` lacks a value the sliver reads or `dst` is shorter than kc·nr.
+pub fn transpose_sliver(w: &[f32], ld: usize, p0: usize, kc: usize, nr: usize, dst: &mut [f32]) {
+    check_sliver(w.len(), ld, p0, kc, nr, dst.len());
+    #[cfg(target_arch = "x86_64")]
+    if nr.is_multiple_of(8) && kc > 0 && is_x86_feature_detected!("avx") {
+        // SAFETY: AVX is present; every index the tiles touch was checked
+        // above (rows < nr, columns < p0 + kc, dst < kc·nr).
+        unsafe { x86::transpose_sliver_avx(w, ld, p0, kc, nr, dst) };
+        return;
+    }
+    transpose_sliver_scalar(w, ld, p0, kc, nr, dst);
+}
+
+/// The reference for [`transpose_sliver`]: one value at a time.
+pub fn transpose_sliver_scalar(
+    w: &[f32],
+    ld: usize,
+    p0: usize,
+    kc: usize,
+    nr: usize,
+    dst: &mut [f32],
+) {
+    check_sliver(w.len(), ld, p0, kc, nr, dst.len());
+    for (p, d) in dst[..kc * nr].chunks_exact_mut(nr).enumerate() {
+        for (c, v) in d.iter_mut().enumerate() {
+            *v = w[c * ld + p0 + p];
+        }
+    }
+}
+
+fn check_sliver(w: usize, ld: usize, p0: usize, kc: usize, nr: usize, dst: usize) {
+    let last = nr
+        .checked_sub(1)
+        .and_then(|r| r.checked_mul(ld))
+        .and_then(|o| o.checked_add(p0)?.checked_add(kc));
+    assert!(
+        nr == 0 || kc == 0 || last.is_some_and(|end| end <= w) && p0 + kc <= ld,
+        "transpose_sliver: {nr} rows of stride {ld} from column {p0}, {kc} wide, need more than the {w} values given"
+    );
+    assert!(
+        kc.checked_mul(nr).is_some_and(|n| n <= dst),
+        "transpose_sliver: dst holds {dst} values, kc·nr = {kc}·{nr} needed"
+    );
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// 8×8 tiles: eight rows of W loaded, transposed with unpack/shuffle/
+    /// permute, stored as eight k-steps of the sliver; the last kc % 8
+    /// columns one value at a time.
+    #[target_feature(enable = "avx")]
+    pub(super) unsafe fn transpose_sliver_avx(
+        w: &[f32],
+        ld: usize,
+        p0: usize,
+        kc: usize,
+        nr: usize,
+        dst: &mut [f32],
+    ) {
+        let (src, out) = (w.as_ptr(), dst.as_mut_ptr());
+        let full = kc - kc % 8;
+        for c0 in (0..nr).step_by(8) {
+            for p in (0..full).step_by(8) {
+                // SAFETY (whole block): row c0 + i < nr and columns
+                // p0 + p .. p0 + p + 8 ≤ p0 + kc lie inside `w`; stores go
+                // to (p + j)·nr + c0 .. + 8 ≤ kc·nr, inside `dst` (checked
+                // by the caller).
+                unsafe {
+                    let r = |i: usize| _mm256_loadu_ps(src.add((c0 + i) * ld + p0 + p));
+                    let (r0, r1, r2, r3) = (r(0), r(1), r(2), r(3));
+                    let (r4, r5, r6, r7) = (r(4), r(5), r(6), r(7));
+                    let t0 = _mm256_unpacklo_ps(r0, r1);
+                    let t1 = _mm256_unpackhi_ps(r0, r1);
+                    let t2 = _mm256_unpacklo_ps(r2, r3);
+                    let t3 = _mm256_unpackhi_ps(r2, r3);
+                    let t4 = _mm256_unpacklo_ps(r4, r5);
+                    let t5 = _mm256_unpackhi_ps(r4, r5);
+                    let t6 = _mm256_unpacklo_ps(r6, r7);
+                    let t7 = _mm256_unpackhi_ps(r6, r7);
+                    let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+                    let s1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+                    let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+                    let s3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+                    let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+                    let s5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+                    let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+                    let s7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+                    let st = |j: usize, v: __m256| _mm256_storeu_ps(out.add((p + j) * nr + c0), v);
+                    st(0, _mm256_permute2f128_ps::<0x20>(s0, s4));
+                    st(1, _mm256_permute2f128_ps::<0x20>(s1, s5));
+                    st(2, _mm256_permute2f128_ps::<0x20>(s2, s6));
+                    st(3, _mm256_permute2f128_ps::<0x20>(s3, s7));
+                    st(4, _mm256_permute2f128_ps::<0x31>(s0, s4));
+                    st(5, _mm256_permute2f128_ps::<0x31>(s1, s5));
+                    st(6, _mm256_permute2f128_ps::<0x31>(s2, s6));
+                    st(7, _mm256_permute2f128_ps::<0x31>(s3, s7));
+                }
+            }
+            for p in full..kc {
+                for c in c0..c0 + 8 {
+                    dst[p * nr + c] = w[c * ld + p0 + p];
+                }
+            }
+        }
+    }
+}

@@ -404,3 +404,46 @@ fn packing_from_weight_rows_equals_packing_the_matrix() {
         assert_eq!(run(&a), run(&b), "{out_f}x{in_f}");
     }
 }
+
+#[test]
+fn sliver_transpose_matches_the_scalar_reference() {
+    use p02_matmul_bench::pack::{transpose_sliver, transpose_sliver_scalar};
+    // nr 8/16/32 take the AVX tiles where present; 6 the scalar loop. kc off
+    // the 8-wide tile, p0 inside the row, padded row strides.
+    for (nr, ld, p0, kc) in [
+        (8, 8, 0, 8),
+        (16, 576, 256, 256),
+        (16, 1537, 3, 1533),
+        (32, 100, 7, 91),
+        (8, 20, 1, 5),
+        (6, 40, 2, 37),
+    ] {
+        let w: Vec<f32> = (0..nr * ld).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let mut fast = vec![f32::NAN; kc * nr + 3];
+        let mut slow = fast.clone();
+        transpose_sliver(&w, ld, p0, kc, nr, &mut fast);
+        transpose_sliver_scalar(&w, ld, p0, kc, nr, &mut slow);
+        assert_eq!(
+            fast[..kc * nr],
+            slow[..kc * nr],
+            "nr {nr} ld {ld} p0 {p0} kc {kc}"
+        );
+        assert!(
+            fast[kc * nr..].iter().all(|v| v.is_nan()),
+            "wrote past kc·nr"
+        );
+        for p in [0, kc / 2, kc - 1] {
+            for c in [0, nr - 1] {
+                assert_eq!(slow[p * nr + c], w[c * ld + p0 + p]);
+            }
+        }
+    }
+}
+
+#[test]
+#[should_panic(expected = "need more than")]
+fn sliver_transpose_refuses_a_short_source() {
+    let w = vec![0.0f32; 16 * 64 - 1];
+    let mut dst = vec![0.0f32; 64 * 16];
+    p02_matmul_bench::pack::transpose_sliver(&w, 64, 0, 64, 16, &mut dst);
+}

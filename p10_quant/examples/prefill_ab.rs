@@ -1,0 +1,26 @@
+//! Prefill speed, f32 vs native, interleaved (for profiling the prefill path):
+//! `cargo run --release -p p10_quant --example prefill_ab [tokens] [rounds]`.
+fn main() -> anyhow::Result<()> {
+    let path =
+        common::assets::ensure(common::assets::Asset::SmolLm2).map_err(anyhow::Error::msg)?;
+    let n: usize = std::env::args().nth(1).map_or(Ok(256), |s| s.parse())?;
+    let rounds: usize = std::env::args().nth(2).map_or(Ok(3), |s| s.parse())?;
+    let f = p10_quant::bench::load(&path, false)?;
+    let q = p10_quant::bench::load(&path, true)?;
+    if std::env::var_os("PREFILL_NATIVE_ONLY").is_some() {
+        for _ in 0..rounds {
+            let b = p05_kv_cache::bench::prefill_speed(&q.engine, n)?;
+            println!("prefill {n}: native {b:.0} tok/s");
+        }
+        return Ok(());
+    }
+    for _ in 0..rounds {
+        let a = p05_kv_cache::bench::prefill_speed(&f.engine, n)?;
+        let b = p05_kv_cache::bench::prefill_speed(&q.engine, n)?;
+        println!(
+            "prefill {n}: f32 {a:.0} tok/s, native {b:.0} tok/s, native/f32 {:.2}",
+            b / a
+        );
+    }
+    Ok(())
+}
