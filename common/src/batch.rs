@@ -55,10 +55,10 @@ pub enum BatchError {
     },
     #[error("token id {id} (sequence {seq}) is outside the vocabulary (0..{vocab})")]
     TokenId { seq: usize, id: u32, vocab: usize },
-    #[error("logits buffer has {len} entries; {n_seqs} sequences x {vocab} vocabulary needed")]
+    #[error("logits buffer has {len} entries; {rows} rows x {vocab} vocabulary needed")]
     Logits {
         len: usize,
-        n_seqs: usize,
+        rows: usize,
         vocab: usize,
     },
     #[error("the K/V store's shape {got:?} is not the model's {want:?}")]
@@ -136,6 +136,27 @@ impl Batch {
         vocab_size: usize,
         logits_len: usize,
     ) -> Result<(), BatchError> {
+        self.check_rows(
+            stores,
+            shape,
+            context_length,
+            vocab_size,
+            logits_len,
+            self.seqs.len(),
+        )
+    }
+
+    /// [`Batch::check`] for a logits buffer of `logit_rows` rows (every
+    /// token's, for a perplexity pass, instead of each sequence's last).
+    pub fn check_rows<S: KvStore>(
+        &self,
+        stores: &[&mut S],
+        shape: KvShape,
+        context_length: usize,
+        vocab_size: usize,
+        logits_len: usize,
+        logit_rows: usize,
+    ) -> Result<(), BatchError> {
         if stores.len() != self.seqs.len() {
             return Err(BatchError::StoreCount {
                 stores: stores.len(),
@@ -181,10 +202,10 @@ impl Batch {
                 });
             }
         }
-        if Some(logits_len) != self.seqs.len().checked_mul(vocab_size) {
+        if Some(logits_len) != logit_rows.checked_mul(vocab_size) {
             return Err(BatchError::Logits {
                 len: logits_len,
-                n_seqs: self.seqs.len(),
+                rows: logit_rows,
                 vocab: vocab_size,
             });
         }

@@ -104,6 +104,38 @@ impl LlamaEngine {
         let (batch, ws) = &mut *guard;
         common::batch::forward_one(self, batch, ws, ids, &mut cache.kv, logits)
     }
+
+    /// One sequence's step that keeps the logits of every position, not
+    /// only the last: `logits` is (ids.len(), vocab). What a perplexity pass
+    /// needs: each position's prediction of the next token.
+    pub fn forward_all(
+        &self,
+        ids: &[u32],
+        cache: &mut LlamaCache,
+        logits: &mut [f32],
+    ) -> Result<(), EngineError> {
+        let mut guard = self.adapter.lock().unwrap_or_else(|e| e.into_inner());
+        let (batch, ws) = &mut *guard;
+        batch.clear();
+        batch.push(ids, cache.kv.len())?;
+        let mut store = &mut cache.kv;
+        self.forward(
+            batch,
+            std::slice::from_mut(&mut store),
+            ws,
+            logits,
+            Head::All,
+        )
+    }
+}
+
+/// Which rows of the final hidden state go through the LM head.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Head {
+    /// Each sequence's last token (generation).
+    Last,
+    /// Every token (scoring a text).
+    All,
 }
 
 impl BatchModel for LlamaEngine {
@@ -128,16 +160,31 @@ impl BatchModel for LlamaEngine {
         ws: &mut LlamaWorkspace,
         logits: &mut [f32],
     ) -> Result<(), EngineError> {
+        self.forward(batch, stores, ws, logits, Head::Last)
+    }
+}
+
+impl LlamaEngine {
+    fn forward<S: KvStore>(
+        &self,
+        batch: &Batch,
+        stores: &mut [&mut S],
+        ws: &mut LlamaWorkspace,
+        logits: &mut [f32],
+        head: Head,
+    ) -> Result<(), EngineError> {
         let m = &self.model;
         let c = &m.cfg;
-        batch.check(
+        let (n, n_seqs) = (batch.n_tokens(), batch.n_seqs());
+        let logit_rows = if head == Head::All { n } else { n_seqs };
+        batch.check_rows(
             stores,
             self.kv_shape(),
             c.max_seq,
             c.vocab_size,
             logits.len(),
+            logit_rows,
         )?;
-        let (n, n_seqs) = (batch.n_tokens(), batch.n_seqs());
         let (d, hd, nh, nkv, ff) = (
             c.hidden_size,
             c.head_dim,
@@ -221,7 +268,13 @@ impl BatchModel for LlamaEngine {
         for (s, store) in batch.seqs().iter().zip(stores.iter_mut()) {
             store.advance(s.len);
         }
-        // 4. Only each sequence's last row goes through the head.
+        // 4. The head: over every row when scoring a text, else only over
+        //    each sequence's last row.
+        if head == Head::All {
+            rms_norm_into(x, d, &m.out_norm, eps, h);
+            m.lm_head.apply_into(h, n, logits, t)?;
+            return Ok(());
+        }
         let (last, last_h) = (grow(last, n_seqs * d), grow(last_h, n_seqs * d)); // (n_seqs, hidden)
         for (i, s) in batch.seqs().iter().enumerate() {
             let r = s.offset + s.len - 1;

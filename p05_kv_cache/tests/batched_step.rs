@@ -367,3 +367,31 @@ fn a_malformed_step_is_an_error_and_touches_no_store() {
     assert_eq!((a.len, b_kv.len), (0, 0));
     assert!(a.k.iter().chain(&a.v).all(|l| l.iter().all(|&x| x == 0.0)));
 }
+
+#[test]
+fn forward_all_gives_every_positions_logits() {
+    // Row i of a scoring pass over ids (after a history of 5) is the last
+    // logits of the prefix ids[..=i] stepped after the same history.
+    let e = llama();
+    let vocab = e.info().vocab_size;
+    let mut rng = Rng::new(11);
+    let (history, text) = (ids(&mut rng, 5, vocab), ids(&mut rng, 9, vocab));
+    let mut cache = e.new_cache(32);
+    let mut last = vec![0.0f32; vocab];
+    e.step(&history, &mut cache, &mut last).unwrap();
+    let mut all = vec![0.0f32; text.len() * vocab];
+    e.forward_all(&text, &mut cache, &mut all).unwrap();
+    for i in 0..text.len() {
+        let mut c = e.new_cache(32);
+        e.step(&history, &mut c, &mut last).unwrap();
+        e.step(&text[..=i], &mut c, &mut last).unwrap();
+        let d = rel_diff(&all[i * vocab..(i + 1) * vocab], &last);
+        assert!(d < 1e-5, "position {i}: {d}");
+    }
+    // A buffer of the wrong size is an error naming the rows it needed.
+    let mut short = vec![0.0f32; vocab];
+    let e2 = e
+        .forward_all(&text, &mut e.new_cache(32), &mut short)
+        .unwrap_err();
+    assert!(e2.to_string().contains("9 rows"), "{e2}");
+}

@@ -7,7 +7,10 @@
 //! - [`matrix`]: a weight matrix kept in blocks, behind Project 04's
 //!   weight-format seam (`LinearWeights`), on a spinning thread pool
 //!   ([`pool`]);
-//! - [`loader`]: Project 04's GGUF loader keeping the file's blocks.
+//! - [`loader`]: Project 04's GGUF loader keeping the file's blocks;
+//! - [`perplexity`]: PPL, KL divergence and top-1 agreement over a text,
+//!   counted as llama.cpp's `llama-perplexity` counts them; [`study`]
+//!   runs the accuracy studies with it.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -17,7 +20,9 @@ pub mod formats;
 pub mod isa;
 pub mod loader;
 pub mod matrix;
+pub mod perplexity;
 pub mod pool;
+pub mod study;
 
 pub use dot::Dot;
 pub use isa::Isa;

@@ -1,11 +1,13 @@
 //! Project 04's GGUF loader with native weights: every projection whose
 //! tensor is Q4_0, Q4_1 or Q8_0 stays in its blocks (a [`QuantMatrix`]);
-//! anything else falls back to f32.
+//! anything else falls back to f32. [`Requantize`] instead reads every
+//! projection as f32 and quantises it again with this crate's quantisers
+//! (the weight-quantisation study).
 
-use p04_transformer::{GgufFile, ModelError, Proj, ProjLoader};
+use p04_transformer::{GgufFile, ModelError, Proj, ProjLoader, TensorInfo};
 
 use crate::dot::Dot;
-use crate::matrix::{MatrixError, QuantMatrix};
+use crate::matrix::{Format, MatrixError, QuantMatrix};
 
 /// Keep the file's quantised blocks, with `dot`'s kernels.
 #[derive(Clone, Copy, Debug)]
@@ -34,29 +36,89 @@ impl ProjLoader for NativeWeights {
         [out, inp]: [usize; 2],
         rows: Option<&[usize]>,
     ) -> Result<Option<Proj>, ModelError> {
-        let info = f.header.tensor(name)?;
-        if info.shape() != [out, inp] {
-            return Err(ModelError::Shape {
-                path: f.path.clone(),
-                name: name.to_string(),
-                expected: vec![out, inp],
-                found: info.shape(),
-            });
-        }
-        let err = |e: MatrixError| ModelError::Weights {
-            name: format!("{}: {name}", f.path.display()),
-            msg: e.to_string(),
-        };
+        let info = tensor_of_shape(f, name, [out, inp])?;
         let m = match QuantMatrix::from_gguf(info.ty, f.tensor_bytes(info), out, inp, self.dot) {
             Ok(m) => m,
             Err(MatrixError::Type(_)) => return Ok(None),
-            Err(e) => return Err(err(e)),
+            Err(e) => return Err(matrix_err(f, name)(e)),
         };
         let m = match rows {
-            Some(src) => m.permute_rows(src).map_err(err)?,
+            Some(src) => m.permute_rows(src).map_err(matrix_err(f, name))?,
             None => m,
         }
         .with_f32_rows(self.f32_rows);
+        Ok(Some(Proj::from_weights(Box::new(m))))
+    }
+}
+
+fn tensor_of_shape<'f>(
+    f: &'f GgufFile,
+    name: &str,
+    shape: [usize; 2],
+) -> Result<&'f TensorInfo, ModelError> {
+    let info = f.header.tensor(name)?;
+    if info.shape() != shape {
+        return Err(ModelError::Shape {
+            path: f.path.clone(),
+            name: name.to_string(),
+            expected: shape.to_vec(),
+            found: info.shape(),
+        });
+    }
+    Ok(info)
+}
+
+fn matrix_err<'a>(f: &'a GgufFile, name: &'a str) -> impl Fn(MatrixError) -> ModelError + 'a {
+    move |e| ModelError::Weights {
+        name: format!("{}: {name}", f.path.display()),
+        msg: e.to_string(),
+    }
+}
+
+/// Every projection of the blocks read as f32, whatever the file holds,
+/// and quantised to `format` by this crate: what each format costs in
+/// accuracy, measured from the same f32 weights. The LM head (tied to the
+/// embedding table) keeps the file's blocks, so the study varies the
+/// blocks' format alone (llama.cpp, too, keeps the output tensor at 6 bits
+/// or more in its 4-bit mixes).
+#[derive(Clone, Copy, Debug)]
+pub struct Requantize {
+    pub format: Format,
+    pub weights: NativeWeights,
+}
+
+impl ProjLoader for Requantize {
+    fn load(
+        &self,
+        f: &GgufFile,
+        name: &str,
+        [out, inp]: [usize; 2],
+        rows: Option<&[usize]>,
+    ) -> Result<Option<Proj>, ModelError> {
+        if !name.starts_with("blk.") {
+            return self.weights.load(f, name, [out, inp], rows);
+        }
+        let info = tensor_of_shape(f, name, [out, inp])?;
+        let n = out.checked_mul(inp).ok_or_else(|| ModelError::Shape {
+            path: f.path.clone(),
+            name: name.to_string(),
+            expected: vec![out, inp],
+            found: info.shape(),
+        })?;
+        let mut w = vec![0.0f32; n];
+        p04_transformer::dequantize(info.ty, f.tensor_bytes(info), &mut w).map_err(|e| {
+            ModelError::Weights {
+                name: format!("{}: {name}", f.path.display()),
+                msg: e.to_string(),
+            }
+        })?;
+        let m = QuantMatrix::quantize(&w, out, inp, self.format, self.weights.dot)
+            .map_err(matrix_err(f, name))?;
+        let m = match rows {
+            Some(src) => m.permute_rows(src).map_err(matrix_err(f, name))?,
+            None => m,
+        }
+        .with_f32_rows(self.weights.f32_rows);
         Ok(Some(Proj::from_weights(Box::new(m))))
     }
 }

@@ -3,6 +3,7 @@
 //!
 //!   cargo run --release -p p10_quant -- serve --model smollm2 --port 8000
 //!   cargo run --release -p p10_quant -- bench
+//!   cargo run --release -p p10_quant -- perplexity
 //!   cargo run --release -p p10_quant -- isa
 
 use anyhow::{Context, Result};
@@ -28,6 +29,8 @@ enum Cmd {
     Serve(Serve),
     /// Decode and prefill f32 vs native beside llama.cpp, GEMV bandwidth per format, accuracy.
     Bench(p10_quant::bench::BenchArgs),
+    /// Perplexity, KL divergence and top-1 agreement over a text: 8-bit activations and weight formats against f32, beside llama.cpp.
+    Perplexity(p10_quant::study::PerplexityArgs),
     /// The kernel paths this CPU has, and the one chosen.
     Isa,
     /// Load a model and print its resident memory (the bench runs this).
@@ -66,6 +69,7 @@ fn main() -> Result<()> {
         None => serve(cli.serve),
         Some(Cmd::Serve(a)) => serve(a),
         Some(Cmd::Bench(a)) => p10_quant::bench::run(&a),
+        Some(Cmd::Perplexity(a)) => p10_quant::study::run(&a),
         Some(Cmd::Isa) => {
             println!("available: {:?}", Isa::available());
             println!(

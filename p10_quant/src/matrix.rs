@@ -84,6 +84,21 @@ pub enum Format {
     Q4_1,
     Q4_0,
     Q8_0,
+    /// int8 per output channel: one f32 scale per row (amax / 127), no
+    /// per-block scales. Held as Q8_0 blocks whose scale is 1, so the Q8_0
+    /// kernels run it and the row's scale multiplies each output.
+    I8Channel,
+}
+
+impl Format {
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Q4_1 => BlockQ4_1::NAME,
+            Format::Q4_0 => BlockQ4_0::NAME,
+            Format::Q8_0 => BlockQ8_0::NAME,
+            Format::I8Channel => "I8 per channel",
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -122,6 +137,8 @@ pub struct QuantMatrix {
     dot: Dot,
     /// Products of this many rows or more take the f32 path.
     f32_rows: usize,
+    /// int8 per channel: row r's outputs times `row_scale[r]`.
+    row_scale: Option<Vec<f32>>,
 }
 
 impl QuantMatrix {
@@ -147,6 +164,7 @@ impl QuantMatrix {
             blocks,
             dot,
             f32_rows: F32_GEMM_ROWS,
+            row_scale: None,
         })
     }
 
@@ -195,8 +213,33 @@ impl QuantMatrix {
             Format::Q4_1 => Blocks::Q4_1(q(w)?),
             Format::Q4_0 => Blocks::Q4_0(q(w)?),
             Format::Q8_0 => Blocks::Q8_0(q(w)?),
+            Format::I8Channel => {
+                let (blocks, scale) = quantize_i8_channel(w, cols);
+                let m = QuantMatrix::new(rows, cols, Blocks::Q8_0(blocks), dot)?;
+                return Ok(QuantMatrix {
+                    row_scale: Some(scale),
+                    ..m
+                });
+            }
         };
         QuantMatrix::new(rows, cols, blocks, dot)
+    }
+
+    /// The format's name ("Q4_1", ..., "I8 per channel").
+    pub fn format_name(&self) -> &'static str {
+        match self.row_scale {
+            Some(_) => Format::I8Channel.name(),
+            None => self.blocks.name(),
+        }
+    }
+
+    /// Multiply each output row r of `y` (m, rows) by its channel's scale.
+    fn scale_outputs(&self, y: &mut [f32]) {
+        if let Some(s) = &self.row_scale {
+            for row in y.chunks_exact_mut(self.rows) {
+                row.iter_mut().zip(s).for_each(|(v, s)| *v *= s);
+            }
+        }
     }
 
     /// Reorder rows: row r of the result is row `source[r]` of `self`.
@@ -221,7 +264,15 @@ impl QuantMatrix {
             Blocks::Q4_0(b) => Blocks::Q4_0(gather(b, per, source)),
             Blocks::Q8_0(b) => Blocks::Q8_0(gather(b, per, source)),
         };
-        Ok(QuantMatrix { blocks, ..self })
+        let row_scale = self
+            .row_scale
+            .as_ref()
+            .map(|s| source.iter().map(|&r| s[r]).collect());
+        Ok(QuantMatrix {
+            blocks,
+            row_scale,
+            ..self
+        })
     }
 
     /// Take the f32 path from `rows` rows on (`usize::MAX`: never, so
@@ -232,6 +283,11 @@ impl QuantMatrix {
             f32_rows: rows,
             ..self
         }
+    }
+
+    /// int8 per channel: each row's scale (the blocks' own scales are 1).
+    pub fn row_scale(&self) -> Option<&[f32]> {
+        self.row_scale.as_deref()
     }
 
     pub fn blocks(&self) -> &Blocks {
@@ -252,6 +308,11 @@ impl QuantMatrix {
             Blocks::Q4_0(b) => crate::formats::dequantize_row(b, &mut out),
             Blocks::Q8_0(b) => crate::formats::dequantize_row(b, &mut out),
         };
+        if let Some(s) = &self.row_scale {
+            for (row, s) in out.chunks_exact_mut(self.cols).zip(s) {
+                row.iter_mut().for_each(|v| *v *= s);
+            }
+        }
         out
     }
 
@@ -290,6 +351,11 @@ impl QuantMatrix {
             p02_matmul_bench::PackedB::from_weight_rows_in(buf, n, k, threads, |j0, count, buf| {
                 let blocks = self.blocks.slice(j0 * per..(j0 + count) * per);
                 self.dot.expand(&blocks, buf);
+                if let Some(s) = &self.row_scale {
+                    for (row, s) in buf.chunks_exact_mut(k).zip(&s[j0..j0 + count]) {
+                        row.iter_mut().for_each(|v| *v *= s);
+                    }
+                }
             });
         let gemm = |e: p02_matmul_bench::GemmError| MatrixError::Gemm(e.to_string());
         let r = p02_matmul_bench::sgemm_prepacked(
@@ -353,6 +419,7 @@ impl QuantMatrix {
                     self.rows_times(w, q8_0, m, y, pool, threads, |w, x| {
                         self.dot.q8_0_q8_0(w, x)
                     });
+                    self.scale_outputs(y);
                 }
             }
             Ok(())
@@ -441,16 +508,45 @@ impl LinearWeights for QuantMatrix {
     ) -> Result<(), ModelError> {
         self.matmul(x, rows, y, Pool::global(), threads)
             .map_err(|e| ModelError::Weights {
-                name: self.blocks.name().into(),
+                name: self.format_name().into(),
                 msg: e.to_string(),
             })
     }
 
     fn weight_bytes(&self) -> usize {
         self.blocks.len() * self.blocks.block_bytes()
+            + self.row_scale.as_ref().map_or(0, |s| s.len() * 4)
     }
 
     fn format(&self) -> &str {
-        self.blocks.name()
+        self.format_name()
     }
+}
+
+/// f16 1.0: the block scale of int8-per-channel rows held as Q8_0.
+const F16_ONE: u16 = 0x3c00;
+
+/// Symmetric int8 per output channel: row r's scale is max|W[r]| / 127 and
+/// q = round(w / scale) (0 for an all-zero row). Returns the rows as Q8_0
+/// blocks of scale 1, and the scales.
+pub fn quantize_i8_channel(w: &[f32], cols: usize) -> (Vec<BlockQ8_0>, Vec<f32>) {
+    let mut blocks = Vec::with_capacity(w.len() / QK);
+    let mut scales = Vec::with_capacity(w.len() / cols.max(1));
+    for row in w.chunks_exact(cols) {
+        let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let scale = amax / 127.0;
+        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+        scales.push(scale);
+        for chunk in row.chunks_exact(QK) {
+            let mut b = BlockQ8_0 {
+                d: F16_ONE,
+                ..Default::default()
+            };
+            for (q, &v) in b.qs.iter_mut().zip(chunk) {
+                *q = (v * inv).round().clamp(-127.0, 127.0) as i8;
+            }
+            blocks.push(b);
+        }
+    }
+    (blocks, scales)
 }

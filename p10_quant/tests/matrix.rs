@@ -22,8 +22,9 @@ fn products_equal_row_dots_on_any_thread_count() {
     let w = random(&mut rng, n * k, 0.5);
     for isa in Isa::available() {
         let dot = Dot::new(isa).unwrap();
-        for format in [Format::Q4_1, Format::Q4_0, Format::Q8_0] {
+        for format in [Format::Q4_1, Format::Q4_0, Format::Q8_0, Format::I8Channel] {
             let mat = QuantMatrix::quantize(&w, n, k, format, dot).unwrap();
+            let row_scale = |r: usize| mat.row_scale().map_or(1.0, |s| s[r]);
             for m in [1, 3, 70] {
                 let x = random(&mut rng, m * k, 2.0);
                 let mut want = vec![0.0f32; m * n];
@@ -42,7 +43,7 @@ fn products_equal_row_dots_on_any_thread_count() {
                             }
                             Blocks::Q8_0(b) => {
                                 let xq: Vec<BlockQ8_0> = quantize_row(xi).unwrap();
-                                dot.q8_0_q8_0(&b[r * per..(r + 1) * per], &xq)
+                                dot.q8_0_q8_0(&b[r * per..(r + 1) * per], &xq) * row_scale(r)
                             }
                         };
                     }
@@ -117,7 +118,7 @@ fn the_f32_path_is_the_dequantised_product() {
     let w = random(&mut rng, n * k, 0.5);
     let x = random(&mut rng, m * k, 2.0);
     for isa in Isa::available() {
-        for format in [Format::Q4_1, Format::Q8_0, Format::Q4_0] {
+        for format in [Format::Q4_1, Format::Q8_0, Format::Q4_0, Format::I8Channel] {
             let mat = QuantMatrix::quantize(&w, n, k, format, Dot::new(isa).unwrap()).unwrap();
             let wd = mat.dequantize();
             let mut y = vec![0.0f32; m * n];
@@ -139,4 +140,53 @@ fn the_f32_path_is_the_dequantised_product() {
             }
         }
     }
+}
+
+#[test]
+fn int8_per_channel_rounds_each_row_to_its_own_scale() {
+    let dot = Dot::new(Isa::Scalar).unwrap();
+    let mut rng = Rng::new(9);
+    let (n, k) = (6, 64);
+    let mut w = random(&mut rng, n * k, 1.0);
+    // Rows of very different ranges, an all-zero row, a row of one value.
+    w[k..2 * k].iter_mut().for_each(|v| *v *= 1e-3);
+    w[2 * k..3 * k].fill(0.0);
+    w[3 * k..4 * k].fill(-0.25);
+    let mat = QuantMatrix::quantize(&w, n, k, Format::I8Channel, dot).unwrap();
+    let scales = mat.row_scale().unwrap().to_vec();
+    let Blocks::Q8_0(blocks) = mat.blocks() else {
+        panic!("int8 rows are held as Q8_0 blocks")
+    };
+    let wd = mat.dequantize();
+    for r in 0..n {
+        let row = &w[r * k..(r + 1) * k];
+        let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        assert_eq!(scales[r], amax / 127.0, "row {r}");
+        let qs: Vec<i8> = blocks[r * 2..r * 2 + 2].iter().flat_map(|b| b.qs).collect();
+        if amax > 0.0 {
+            // The largest magnitude lands on ±127; every value within half a step.
+            assert_eq!(
+                qs.iter().map(|q| q.unsigned_abs()).max(),
+                Some(127),
+                "row {r}"
+            );
+        } else {
+            assert!(qs.iter().all(|&q| q == 0));
+        }
+        for (j, (&a, &b)) in row.iter().zip(&wd[r * k..(r + 1) * k]).enumerate() {
+            assert!(
+                (a - b).abs() <= scales[r] * 0.5 * (1.0 + 1e-6),
+                "({r}, {j}): {a} vs {b}"
+            );
+        }
+    }
+    assert!(blocks.iter().all(|b| b.d == 0x3c00), "block scales are 1");
+    // Permuting rows moves their scales with them.
+    let p = QuantMatrix::quantize(&w, n, k, Format::I8Channel, dot)
+        .unwrap()
+        .permute_rows(&[5, 4, 3, 2, 1, 0])
+        .unwrap();
+    let rev: Vec<f32> = scales.iter().rev().copied().collect();
+    assert_eq!(p.row_scale().unwrap(), &rev[..]);
+    assert_eq!(p.dequantize()[..k], wd[5 * k..]);
 }
