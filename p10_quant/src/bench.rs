@@ -92,29 +92,22 @@ pub fn bytes_per_token(e: &LlamaEngine) -> usize {
 
 /// (mean KL(f32 ‖ native) in nats, top-1 agreement) over every position.
 pub fn accuracy(f32e: &LlamaEngine, nat: &LlamaEngine, prompts: &[Vec<u32>]) -> Result<(f64, f64)> {
-    let (mut kl, mut agree, mut n) = (0.0f64, 0usize, 0usize);
+    use crate::perplexity::{kl, log_softmax};
+    let (mut kl_sum, mut agree, mut n) = (0.0f64, 0usize, 0usize);
+    let (mut la, mut lb) = (Vec::new(), Vec::new());
     for p in prompts {
         let a = f32e.model.forward(p, 1, p.len())?;
         let b = nat.model.forward(p, 1, p.len())?;
         let v = f32e.model.cfg.vocab_size;
         for (ra, rb) in a.data().chunks_exact(v).zip(b.data().chunks_exact(v)) {
-            let (la, lb) = (log_softmax(ra), log_softmax(rb));
-            kl += la
-                .iter()
-                .zip(&lb)
-                .map(|(x, y)| x.exp() * (x - y))
-                .sum::<f64>();
+            log_softmax(ra, &mut la);
+            log_softmax(rb, &mut lb);
+            kl_sum += kl(&la, &lb);
             agree += usize::from(argmax(ra) == argmax(rb));
             n += 1;
         }
     }
-    Ok((kl / n as f64, agree as f64 / n as f64))
-}
-
-fn log_softmax(x: &[f32]) -> Vec<f64> {
-    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = x.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln() + m;
-    x.iter().map(|&v| v as f64 - lse).collect()
+    Ok((kl_sum / n as f64, agree as f64 / n as f64))
 }
 
 /// Median seconds of one product x (1, in) → (1, out).
