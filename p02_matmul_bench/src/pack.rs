@@ -165,7 +165,7 @@ mod x86 {
         let full = kc - kc % 8;
         for c0 in (0..nr).step_by(8) {
             for p in (0..full).step_by(8) {
-                // SAFETY (whole block): row c0 + i < nr and columns
+                // SAFETY: (the whole block) row c0 + i < nr and columns
                 // p0 + p .. p0 + p + 8 ≤ p0 + kc lie inside `w`; stores go
                 // to (p + j)·nr + c0 .. + 8 ≤ kc·nr, inside `dst` (checked
                 // by the caller).

@@ -7,6 +7,7 @@
 //! - [`matrix`]: a weight matrix kept in blocks, behind Project 04's
 //!   weight-format seam (`LinearWeights`), on a spinning thread pool
 //!   ([`pool`]);
+//! - [`int8_mlp`]: int8 per output channel for Project 01's MNIST MLP;
 //! - [`loader`]: Project 04's GGUF loader keeping the file's blocks;
 //! - [`perplexity`]: PPL, KL divergence and top-1 agreement over a text,
 //!   counted as llama.cpp's `llama-perplexity` counts them; [`study`]
@@ -17,6 +18,7 @@ mod avx2;
 pub mod bench;
 pub mod dot;
 pub mod formats;
+pub mod int8_mlp;
 pub mod isa;
 pub mod loader;
 pub mod matrix;

@@ -4,6 +4,7 @@
 //!   cargo run --release -p p10_quant -- serve --model smollm2 --port 8000
 //!   cargo run --release -p p10_quant -- bench
 //!   cargo run --release -p p10_quant -- perplexity
+//!   cargo run --release -p p10_quant -- int8
 //!   cargo run --release -p p10_quant -- isa
 
 use anyhow::{Context, Result};
@@ -31,6 +32,8 @@ enum Cmd {
     Bench(p10_quant::bench::BenchArgs),
     /// Perplexity, KL divergence and top-1 agreement over a text: 8-bit activations and weight formats against f32, beside llama.cpp.
     Perplexity(p10_quant::study::PerplexityArgs),
+    /// int8 per output channel for Project 01's MNIST MLP: accuracy and agreement with f32 on the 1,000 held-out digits.
+    Int8(Int8Args),
     /// The kernel paths this CPU has, and the one chosen.
     Isa,
     /// Load a model and print its resident memory (the bench runs this).
@@ -56,6 +59,18 @@ struct Serve {
 }
 
 #[derive(Clone, Debug, Args)]
+struct Int8Args {
+    /// A Project 01 model directory (linear and relu layers).
+    #[arg(long, default_value = "p01_engine/fixtures/mlp")]
+    model_dir: std::path::PathBuf,
+    /// Labelled digits: safetensors with `images` and `labels`.
+    #[arg(long, default_value = "p01_engine/fixtures/mnist_test.safetensors")]
+    data: std::path::PathBuf,
+    #[arg(long)]
+    no_record: bool,
+}
+
+#[derive(Clone, Debug, Args)]
 struct RssArgs {
     #[arg(long, default_value = "smollm2")]
     model: String,
@@ -70,6 +85,7 @@ fn main() -> Result<()> {
         Some(Cmd::Serve(a)) => serve(a),
         Some(Cmd::Bench(a)) => p10_quant::bench::run(&a),
         Some(Cmd::Perplexity(a)) => p10_quant::study::run(&a),
+        Some(Cmd::Int8(a)) => int8(&a),
         Some(Cmd::Isa) => {
             println!("available: {:?}", Isa::available());
             println!(
@@ -100,4 +116,62 @@ fn serve(a: Serve) -> Result<()> {
     rt.block_on(p09_kv_manager::serve::serve(a.serve, move |path| {
         p10_quant::bench::load(path, native).map_err(|e| format!("{e:#}"))
     }))
+}
+
+fn int8(a: &Int8Args) -> Result<()> {
+    use common::numbers::{command_line, Recorder, Row};
+    let root = common::assets::workspace_root();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let dot = Dot::detect();
+    let r =
+        p10_quant::int8_mlp::evaluate(&root.join(&a.model_dir), &root.join(&a.data), dot, threads)?;
+    let pct = |c: usize| 100.0 * c as f64 / r.n as f64;
+    println!(
+        "{} digits; weights f32 {} bytes, int8 per channel {} bytes ({:.2}x smaller)",
+        r.n,
+        r.bytes[0],
+        r.bytes[1],
+        r.bytes[0] as f64 / r.bytes[1] as f64
+    );
+    println!("| model | accuracy | argmax = f32 | max abs logit diff |");
+    println!("|---|---|---|---|");
+    println!(
+        "| f32 (Project 01's engine) | {:.1}% | - | - |",
+        pct(r.correct[0])
+    );
+    for (i, name) in [
+        "int8 weights, f32 activations (W8)",
+        "int8 weights, 8-bit activations (W8A8)",
+    ]
+    .iter()
+    .enumerate()
+    {
+        println!(
+            "| {name} | {:.1}% | {}/{} | {:.4} |",
+            pct(r.correct[i + 1]),
+            r.agree[i],
+            r.n,
+            r.max_diff[i]
+        );
+    }
+    if !a.no_record {
+        let rows = vec![
+            Row::new("p10 int8 MNIST accuracy f32", pct(r.correct[0]), "%"),
+            Row::new("p10 int8 MNIST accuracy W8", pct(r.correct[1]), "%")
+                .predicted("within 0.5 points of f32"),
+            Row::new("p10 int8 MNIST accuracy W8A8", pct(r.correct[2]), "%")
+                .predicted("within 0.5 points of f32"),
+            Row::new("p10 int8 MNIST argmax = f32, W8", pct(r.agree[0]), "%"),
+            Row::new("p10 int8 MNIST argmax = f32, W8A8", pct(r.agree[1]), "%").predicted(">= 99%"),
+            Row::new(
+                "p10 int8 MNIST max logit diff W8A8",
+                r.max_diff[1] as f64,
+                "logit",
+            ),
+        ];
+        Recorder::for_workspace(command_line("p10_quant"))
+            .machine_note(&format!("kernels {}", dot.isa()))
+            .append(&rows)?;
+    }
+    Ok(())
 }

@@ -68,6 +68,9 @@ pub fn default_text() -> PathBuf {
 /// Where `scripts/fetch_assets.sh text` puts the corpus.
 pub const TEXT_PATH: &str = "assets/text/corpus.txt";
 
+/// Loads one test model.
+type Loader = Box<dyn Fn() -> Result<Loaded>>;
+
 /// One line of the study's table.
 struct Line {
     label: String,
@@ -104,7 +107,7 @@ pub fn run(a: &PerplexityArgs) -> Result<()> {
         f32_rows: usize::MAX,
         ..NativeWeights::detect()
     };
-    let mut tests: Vec<(String, Box<dyn Fn() -> Result<Loaded>>)> = Vec::new();
+    let mut tests: Vec<(String, Loader)> = Vec::new();
     if a.study != Study::Weights {
         let p = path.clone();
         tests.push((
