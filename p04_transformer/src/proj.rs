@@ -33,6 +33,57 @@ pub trait LinearWeights: Send + Sync + fmt::Debug {
 
     /// The format's name ("f32 packed", "Q4_1", ...).
     fn format(&self) -> &str;
+
+    /// These weights as `Any`, so a format can recognise its own kind
+    /// among the projections of a group ([`LinearWeights::apply_group`]).
+    fn as_any(&self) -> &dyn std::any::Any;
+
+    /// Several projections of the same x at once (q, k and v; gate and
+    /// up): ys[0] = x·selfᵀ, ys[i] = x·others[i−1]ᵀ, each (rows, its out).
+    /// One by one here; a format may fuse them (Project 10 quantises x once
+    /// and splits all their rows across its threads in one dispatch).
+    fn apply_group(
+        &self,
+        others: &[&dyn LinearWeights],
+        x: &[f32],
+        rows: usize,
+        ys: &mut [&mut [f32]],
+        threads: usize,
+    ) -> Result<(), ModelError> {
+        apply_each(self, others, x, rows, ys, threads)
+    }
+}
+
+/// [`LinearWeights::apply_group`] one projection at a time.
+pub fn apply_each<W: LinearWeights + ?Sized>(
+    first: &W,
+    others: &[&dyn LinearWeights],
+    x: &[f32],
+    rows: usize,
+    ys: &mut [&mut [f32]],
+    threads: usize,
+) -> Result<(), ModelError> {
+    if ys.len() != others.len() + 1 {
+        return Err(group_error(ys.len(), others.len() + 1));
+    }
+    let (y0, rest) = ys.split_at_mut(1);
+    first.apply_into(x, rows, y0[0], threads)?;
+    for (w, y) in others.iter().zip(rest.iter_mut()) {
+        w.apply_into(x, rows, y, threads)?;
+    }
+    Ok(())
+}
+
+/// The most projections [`Proj::apply_group`] hands a format at once
+/// (more run one by one).
+pub const MAX_GROUP: usize = 4;
+
+/// A group of `want` projections was given `got` outputs.
+pub fn group_error(got: usize, want: usize) -> ModelError {
+    ModelError::Weights {
+        name: "projection group".into(),
+        msg: format!("{got} output buffers for {want} projections"),
+    }
 }
 
 /// f32 weights packed once at load for p02's micro-kernel (packing per call
@@ -81,6 +132,10 @@ impl LinearWeights for PackedF32 {
     fn format(&self) -> &str {
         "f32 packed"
     }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
 }
 
 /// A projection y = x Wᵀ, W (out, in), in whatever format it was loaded.
@@ -121,6 +176,38 @@ impl Proj {
         let mut y = vec![0.0f32; rows * self.out_features()];
         self.apply_into(x, rows, &mut y, threads)?;
         Ok(y)
+    }
+
+    /// The same x through several projections (q, k, v; gate, up):
+    /// ys[i] = x·projs[i]ᵀ, fused where the format can
+    /// ([`LinearWeights::apply_group`]).
+    pub fn apply_group(
+        projs: &[&Proj],
+        x: &[f32],
+        rows: usize,
+        ys: &mut [&mut [f32]],
+        threads: usize,
+    ) -> Result<(), ModelError> {
+        let Some((first, rest)) = projs.split_first() else {
+            return Err(group_error(ys.len(), 0));
+        };
+        if rest.len() >= MAX_GROUP {
+            if ys.len() != projs.len() {
+                return Err(group_error(ys.len(), projs.len()));
+            }
+            for (p, y) in projs.iter().zip(ys.iter_mut()) {
+                p.apply_into(x, rows, y, threads)?;
+            }
+            return Ok(());
+        }
+        // On the stack: a decode step allocates nothing.
+        let mut others = [first.weights(); MAX_GROUP - 1];
+        for (o, p) in others.iter_mut().zip(rest) {
+            *o = p.weights();
+        }
+        first
+            .w
+            .apply_group(&others[..rest.len()], x, rows, ys, threads)
     }
 
     /// x (rows, in) -> y (rows, out), into a caller-owned buffer (no

@@ -13,7 +13,7 @@ use std::sync::Mutex;
 use common::batch::{Batch, BatchModel, KvShape, KvStore};
 use common::{Model, ModelInfo};
 use p04_transformer::llama::{apply_rope, rms_norm_into, rope_tables, silu, Llama};
-use p04_transformer::ModelError;
+use p04_transformer::{ModelError, Proj};
 
 use crate::attention::{attention_step, AttentionScratch, Heads};
 use crate::kv_cache::KvCache;
@@ -229,9 +229,13 @@ impl LlamaEngine {
             //    sequence's rows rotated at their own positions and its K/V
             //    appended to its own store; then attention per sequence.
             rms_norm_into(x, d, &blk.attn_norm, eps, h);
-            blk.wq.apply_into(h, n, q, t)?;
-            blk.wk.apply_into(h, n, k, t)?;
-            blk.wv.apply_into(h, n, v, t)?;
+            Proj::apply_group(
+                &[&blk.wq, &blk.wk, &blk.wv],
+                h,
+                n,
+                &mut [&mut *q, &mut *k, &mut *v],
+                t,
+            )?;
             for (s, store) in batch.seqs().iter().zip(stores.iter_mut()) {
                 let (cos, sin) = (
                     &self.cos[s.start_pos * half..],
@@ -257,8 +261,7 @@ impl LlamaEngine {
             x.iter_mut().zip(o.iter()).for_each(|(x, o)| *x += o);
             // 3. SwiGLU MLP over all tokens.
             rms_norm_into(x, d, &blk.ffn_norm, eps, h);
-            blk.w_gate.apply_into(h, n, g, t)?;
-            blk.w_up.apply_into(h, n, u, t)?;
+            Proj::apply_group(&[&blk.w_gate, &blk.w_up], h, n, &mut [&mut *g, &mut *u], t)?;
             g.iter_mut()
                 .zip(u.iter())
                 .for_each(|(g, u)| *g = silu(*g) * u);

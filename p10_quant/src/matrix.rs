@@ -20,8 +20,7 @@ use p04_transformer::{GgmlType, LinearWeights, ModelError};
 
 use crate::dot::Dot;
 use crate::formats::{
-    quantize_row_into, read_blocks, Block, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, FormatError,
-    QK,
+    quantize_row_into, read_blocks, Block, BlockQ4_0, BlockQ4_1, BlockQ8_0, FormatError, QK,
 };
 use crate::pool::Pool;
 
@@ -131,14 +130,14 @@ pub enum MatrixError {
 /// W (rows = out features, cols = in features) in blocks.
 #[derive(Debug)]
 pub struct QuantMatrix {
-    rows: usize,
-    cols: usize,
-    blocks: Blocks,
-    dot: Dot,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) blocks: Blocks,
+    pub(crate) dot: Dot,
     /// Products of this many rows or more take the f32 path.
     f32_rows: usize,
     /// int8 per channel: row r's outputs times `row_scale[r]`.
-    row_scale: Option<Vec<f32>>,
+    pub(crate) row_scale: Option<Vec<f32>>,
 }
 
 impl QuantMatrix {
@@ -234,7 +233,7 @@ impl QuantMatrix {
     }
 
     /// Multiply each output row r of `y` (m, rows) by its channel's scale.
-    fn scale_outputs(&self, y: &mut [f32]) {
+    pub(crate) fn scale_outputs(&self, y: &mut [f32]) {
         if let Some(s) = &self.row_scale {
             for row in y.chunks_exact_mut(self.rows) {
                 row.iter_mut().zip(s).for_each(|(v, s)| *v *= s);
@@ -327,11 +326,16 @@ impl QuantMatrix {
         pool: &Pool,
         threads: usize,
     ) -> Result<(), MatrixError> {
-        if m >= self.f32_rows && self.rows * self.cols <= F32_GEMM_MAX_WEIGHTS {
+        if self.takes_f32(m) {
             self.matmul_f32(x, m, y, threads)
         } else {
             self.matmul_int(x, m, y, pool, threads)
         }
+    }
+
+    /// Whether a product of `m` rows takes the f32 path.
+    pub fn takes_f32(&self, m: usize) -> bool {
+        m >= self.f32_rows && self.rows * self.cols <= F32_GEMM_MAX_WEIGHTS
     }
 
     /// Dequantise W into f32 (rows, cols) and run Project 02's sgemm: each
@@ -372,7 +376,12 @@ impl QuantMatrix {
     }
 
     /// (n, k) once x is (m, k) and y is (m, n).
-    fn check_io(&self, x: &[f32], m: usize, y: &[f32]) -> Result<(usize, usize), MatrixError> {
+    pub(crate) fn check_io(
+        &self,
+        x: &[f32],
+        m: usize,
+        y: &[f32],
+    ) -> Result<(usize, usize), MatrixError> {
         let (n, k) = (self.rows, self.cols);
         if Some(x.len()) != m.checked_mul(k) || Some(y.len()) != m.checked_mul(n) {
             return Err(MatrixError::Io {
@@ -385,97 +394,9 @@ impl QuantMatrix {
         }
         Ok((n, k))
     }
-
-    /// The integer path: activations quantised to 8 bits, block dot products.
-    pub fn matmul_int(
-        &self,
-        x: &[f32],
-        m: usize,
-        y: &mut [f32],
-        pool: &Pool,
-        threads: usize,
-    ) -> Result<(), MatrixError> {
-        self.check_io(x, m, y)?;
-        // Rows of k = 32·j values: quantising x as one long row gives each
-        // row's blocks, back to back.
-        SCRATCH.with(|s| {
-            let mut s = s.borrow_mut();
-            let Scratch { q8_1, q8_0 } = &mut *s;
-            match &self.blocks {
-                Blocks::Q4_1(w) => {
-                    quantize_row_into(x, q8_1)?;
-                    self.rows_times(w, q8_1, m, y, pool, threads, |w, x| {
-                        self.dot.q4_1_q8_1(w, x)
-                    });
-                }
-                Blocks::Q4_0(w) => {
-                    quantize_row_into(x, q8_0)?;
-                    self.rows_times(w, q8_0, m, y, pool, threads, |w, x| {
-                        self.dot.q4_0_q8_0(w, x)
-                    });
-                }
-                Blocks::Q8_0(w) => {
-                    quantize_row_into(x, q8_0)?;
-                    self.rows_times(w, q8_0, m, y, pool, threads, |w, x| {
-                        self.dot.q8_0_q8_0(w, x)
-                    });
-                    self.scale_outputs(y);
-                }
-            }
-            Ok(())
-        })
-    }
-
-    /// y[i, r] = dot(W[r], X[i]) for every weight row r (split across
-    /// threads) and activation row i (in tiles, so W[r] is reused from L1).
-    #[allow(clippy::too_many_arguments)]
-    fn rows_times<W: Sync, X: Sync>(
-        &self,
-        w: &[W],
-        xq: &[X],
-        m: usize,
-        y: &mut [f32],
-        pool: &Pool,
-        threads: usize,
-        dot: impl Fn(&[W], &[X]) -> f32 + Sync,
-    ) {
-        const TILE: usize = 64;
-        let (n, per) = (self.rows, self.cols / QK);
-        let out = SyncPtr(y.as_mut_ptr());
-        pool.for_ranges(n, threads, &|rows| {
-            let out = &out;
-            for i0 in (0..m).step_by(TILE) {
-                for r in rows.clone() {
-                    let wr = &w[r * per..(r + 1) * per];
-                    for i in i0..(i0 + TILE).min(m) {
-                        let v = dot(wr, &xq[i * per..(i + 1) * per]);
-                        // SAFETY: i < m and r < n, so the index is inside
-                        // `y` (m·n long, checked by the caller); each r
-                        // belongs to one range, so no two threads write the
-                        // same element, and `y` outlives `for_ranges`.
-                        unsafe { *out.0.add(i * n + r) = v };
-                    }
-                }
-            }
-        });
-    }
-}
-
-/// `y`'s pointer, shared by the threads that write disjoint elements of it.
-struct SyncPtr(*mut f32);
-// SAFETY: used only as described at the write above.
-unsafe impl Sync for SyncPtr {}
-
-/// Per-thread buffers for the quantised activations (no allocation per
-/// product once warm).
-#[derive(Default)]
-struct Scratch {
-    q8_1: Vec<BlockQ8_1>,
-    q8_0: Vec<BlockQ8_0>,
 }
 
 thread_local! {
-    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
     /// The prefill path's packing buffer, kept between products.
     static PACKED: RefCell<p02_matmul_bench::AlignedBuf> = RefCell::new(Default::default());
 }
@@ -521,6 +442,58 @@ impl LinearWeights for QuantMatrix {
     fn format(&self) -> &str {
         self.format_name()
     }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    /// q/k/v or gate/up of one token: one activation quantisation and one
+    /// dispatch for all of them when they are matrices of one format on
+    /// the integer path; one by one otherwise.
+    fn apply_group(
+        &self,
+        others: &[&dyn LinearWeights],
+        x: &[f32],
+        rows: usize,
+        ys: &mut [&mut [f32]],
+        threads: usize,
+    ) -> Result<(), ModelError> {
+        use p04_transformer::proj::{apply_each, MAX_GROUP};
+        // On the stack: a decode step allocates nothing.
+        let mut group = [self; MAX_GROUP];
+        if others.len() >= MAX_GROUP || self.takes_f32(rows) || !fused_groups() {
+            return apply_each(self, others, x, rows, ys, threads);
+        }
+        for (g, o) in group[1..].iter_mut().zip(others) {
+            match o.as_any().downcast_ref::<QuantMatrix>() {
+                Some(m) if !m.takes_f32(rows) => *g = m,
+                _ => return apply_each(self, others, x, rows, ys, threads),
+            }
+        }
+        let group = &group[..=others.len()];
+        match QuantMatrix::matmul_int_group(group, x, rows, ys, Pool::global(), threads) {
+            Err(crate::int_path::GroupError::Mixed) => {
+                apply_each(self, others, x, rows, ys, threads)
+            }
+            Err(crate::int_path::GroupError::Matrix(e)) => Err(ModelError::Weights {
+                name: self.format_name().into(),
+                msg: e.to_string(),
+            }),
+            Ok(()) => Ok(()),
+        }
+    }
+}
+
+static FUSED_GROUPS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Run q/k/v and gate/up as fused groups (the default) or one by one, for
+/// before/after measurements (`examples/decode_ab.rs`).
+pub fn set_fused_groups(on: bool) {
+    FUSED_GROUPS.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn fused_groups() -> bool {
+    FUSED_GROUPS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// f16 1.0: the block scale of int8-per-channel rows held as Q8_0.

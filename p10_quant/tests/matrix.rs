@@ -190,3 +190,82 @@ fn int8_per_channel_rounds_each_row_to_its_own_scale() {
     assert_eq!(p.row_scale().unwrap(), &rev[..]);
     assert_eq!(p.dequantize()[..k], wd[5 * k..]);
 }
+
+/// q/k/v in one dispatch: a group's outputs equal each matrix's own
+/// product exactly (same quantised x, same dots), on one thread or two,
+/// for decode and tiled shapes; mixed formats fall back to one by one
+/// through the seam, with the same results.
+#[test]
+fn fused_groups_equal_their_members_products() {
+    use p04_transformer::Proj;
+    use p10_quant::int_path::GroupError;
+    let mut rng = Rng::new(21);
+    let pool = Pool::new(2, std::time::Duration::from_micros(100));
+    let k = 96;
+    let shapes = [45, 13, 13];
+    for isa in Isa::available() {
+        let dot = Dot::new(isa).unwrap();
+        for format in [Format::Q4_1, Format::Q4_0, Format::Q8_0, Format::I8Channel] {
+            let mats: Vec<QuantMatrix> = shapes
+                .iter()
+                .map(|&n| {
+                    QuantMatrix::quantize(&random(&mut rng, n * k, 0.5), n, k, format, dot).unwrap()
+                })
+                .collect();
+            for m in [1, 3, 70] {
+                let x = random(&mut rng, m * k, 2.0);
+                let want: Vec<Vec<f32>> = mats
+                    .iter()
+                    .zip(shapes)
+                    .map(|(w, n)| {
+                        let mut y = vec![0.0f32; m * n];
+                        w.matmul_int(&x, m, &mut y, &pool, 1).unwrap();
+                        y
+                    })
+                    .collect();
+                for threads in [1, 2] {
+                    let mut ys: Vec<Vec<f32>> =
+                        shapes.iter().map(|&n| vec![f32::NAN; m * n]).collect();
+                    let mut views: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut y[..]).collect();
+                    let refs: Vec<&QuantMatrix> = mats.iter().collect();
+                    QuantMatrix::matmul_int_group(&refs, &x, m, &mut views, &pool, threads)
+                        .unwrap();
+                    assert_eq!(ys, want, "{isa} {format:?} m={m} threads={threads}");
+                }
+            }
+        }
+        // Mixed formats: refused by the fused path, run one by one by the seam.
+        let (n, m) = (13, 2);
+        let w = random(&mut rng, n * k, 0.5);
+        let a = QuantMatrix::quantize(&w, n, k, Format::Q4_1, dot).unwrap();
+        let b = QuantMatrix::quantize(&w, n, k, Format::Q8_0, dot).unwrap();
+        let x = random(&mut rng, m * k, 1.0);
+        let (mut ya, mut yb) = (vec![0.0f32; m * n], vec![0.0f32; m * n]);
+        assert!(matches!(
+            QuantMatrix::matmul_int_group(&[&a, &b], &x, m, &mut [&mut ya, &mut yb], &pool, 2),
+            Err(GroupError::Mixed)
+        ));
+        let f = Proj::new(&w, n, k).unwrap();
+        let (pa, pb) = (
+            Proj::from_weights(Box::new(
+                QuantMatrix::quantize(&w, n, k, Format::Q4_1, dot).unwrap(),
+            )),
+            Proj::from_weights(Box::new(
+                QuantMatrix::quantize(&w, n, k, Format::Q8_0, dot).unwrap(),
+            )),
+        );
+        let mut ys = [
+            vec![0.0f32; m * n],
+            vec![0.0f32; m * n],
+            vec![0.0f32; m * n],
+        ];
+        let [y0, y1, y2] = &mut ys;
+        Proj::apply_group(&[&pa, &pb, &f], &x, m, &mut [y0, y1, y2], 2).unwrap();
+        assert_eq!(ys[0], pa.apply(&x, m, 2).unwrap(), "{isa}");
+        assert_eq!(ys[1], pb.apply(&x, m, 2).unwrap(), "{isa}");
+        assert_eq!(ys[2], f.apply(&x, m, 2).unwrap(), "{isa}");
+        // Too few output buffers is an error, not a panic.
+        let mut y = vec![0.0f32; m * n];
+        assert!(Proj::apply_group(&[&pa, &pb], &x, m, &mut [&mut y], 2).is_err());
+    }
+}

@@ -1,0 +1,35 @@
+//! Decode tok/s with q/k/v and gate/up fused into groups vs one by one,
+//! interleaved in one process (this VM's noise moves runs by 10–30%):
+//! `cargo run --release -p p10_quant --example decode_ab [rounds]`.
+fn main() -> anyhow::Result<()> {
+    let path =
+        common::assets::ensure(common::assets::Asset::SmolLm2).map_err(anyhow::Error::msg)?;
+    let rounds: usize = std::env::args().nth(1).map_or(Ok(5), |s| s.parse())?;
+    let loaded = p10_quant::bench::load(&path, true)?;
+    let (mut fused, mut single) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        for (on, out) in [(false, &mut single), (true, &mut fused)] {
+            p10_quant::matrix::set_fused_groups(on);
+            let (_, decode) = p05_kv_cache::bench::speeds(&loaded.engine)?;
+            out.push(decode);
+        }
+        println!(
+            "decode tok/s: one by one {:.1}, fused {:.1}",
+            single.last().unwrap_or(&0.0),
+            fused.last().unwrap_or(&0.0)
+        );
+    }
+    let (s, f) = (
+        common::stats::summarize(&single),
+        common::stats::summarize(&fused),
+    );
+    println!(
+        "median: one by one {:.1}, fused {:.1} ({:.2}x); p95 of per-round tok/s: {:.1} / {:.1}",
+        s.median,
+        f.median,
+        f.median / s.median,
+        s.p95,
+        f.p95
+    );
+    Ok(())
+}
