@@ -7,10 +7,12 @@ fn main() -> anyhow::Result<()> {
     let rounds: usize = std::env::args().nth(2).map_or(Ok(3), |s| s.parse())?;
     let f = p10_quant::bench::load(&path, false)?;
     let q = p10_quant::bench::load(&path, true)?;
-    if std::env::var_os("PREFILL_NATIVE_ONLY").is_some() {
+    // PREFILL_ONLY=native|f32: one path alone (for a profiler).
+    if let Ok(only) = std::env::var("PREFILL_ONLY") {
+        let e = if only == "f32" { &f.engine } else { &q.engine };
         for _ in 0..rounds {
-            let b = p05_kv_cache::bench::prefill_speed(&q.engine, n)?;
-            println!("prefill {n}: native {b:.0} tok/s");
+            let s = p05_kv_cache::bench::prefill_speed(e, n)?;
+            println!("prefill {n}: {only} {s:.0} tok/s");
         }
         return Ok(());
     }
