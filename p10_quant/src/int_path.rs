@@ -100,58 +100,24 @@ impl QuantMatrix {
         SCRATCH.with(|s| {
             let mut s = s.borrow_mut();
             let Scratch { q8_1, q8_0 } = &mut *s;
+            let per = first.cols / QK;
+            // One arm per weight format: its blocks, its activation
+            // blocks, its dot product.
+            macro_rules! run {
+                ($variant:ident, $xq:expr, $dot:ident) => {{
+                    let w = same(mats, |b| match b {
+                        Blocks::$variant(b) => Some(&b[..]),
+                        _ => None,
+                    })?;
+                    quantize_row_into(x, $xq)?;
+                    let (ws, xq) = (&w[..mats.len()], &**$xq);
+                    rows_times(ws, outs, per, xq, m, pool, threads, |w, x| dot.$dot(w, x));
+                }};
+            }
             match &first.blocks {
-                Blocks::Q4_1(_) => {
-                    let w = same(mats, |b| match b {
-                        Blocks::Q4_1(b) => Some(&b[..]),
-                        _ => None,
-                    })?;
-                    quantize_row_into(x, q8_1)?;
-                    rows_times(
-                        &w[..mats.len()],
-                        outs,
-                        first.cols / QK,
-                        q8_1,
-                        m,
-                        pool,
-                        threads,
-                        |w, x| dot.q4_1_q8_1(w, x),
-                    );
-                }
-                Blocks::Q4_0(_) => {
-                    let w = same(mats, |b| match b {
-                        Blocks::Q4_0(b) => Some(&b[..]),
-                        _ => None,
-                    })?;
-                    quantize_row_into(x, q8_0)?;
-                    rows_times(
-                        &w[..mats.len()],
-                        outs,
-                        first.cols / QK,
-                        q8_0,
-                        m,
-                        pool,
-                        threads,
-                        |w, x| dot.q4_0_q8_0(w, x),
-                    );
-                }
-                Blocks::Q8_0(_) => {
-                    let w = same(mats, |b| match b {
-                        Blocks::Q8_0(b) => Some(&b[..]),
-                        _ => None,
-                    })?;
-                    quantize_row_into(x, q8_0)?;
-                    rows_times(
-                        &w[..mats.len()],
-                        outs,
-                        first.cols / QK,
-                        q8_0,
-                        m,
-                        pool,
-                        threads,
-                        |w, x| dot.q8_0_q8_0(w, x),
-                    );
-                }
+                Blocks::Q4_1(_) => run!(Q4_1, q8_1, q4_1_q8_1),
+                Blocks::Q4_0(_) => run!(Q4_0, q8_0, q4_0_q8_0),
+                Blocks::Q8_0(_) => run!(Q8_0, q8_0, q8_0_q8_0),
             }
             Ok::<(), GroupError>(())
         })?;
