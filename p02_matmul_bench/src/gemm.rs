@@ -181,7 +181,8 @@ impl PackedB {
 
     /// Pack W (out_f, in_f), used as B = Wᵀ, from a producer of its rows:
     /// `rows(j0, count, buf)` writes W's rows j0..j0 + count (row-major,
-    /// `count` ≤ the kernel's NR) into `buf`. A weight stored in another
+    /// `count` ≤ the kernel's NR) into `buf`, every value of it (the buffer
+    /// is reused between slivers). A weight stored in another
     /// format (Project 10's quantised blocks) expands each row once,
     /// straight into the packed layout, with no f32 copy of W in between;
     /// slivers are filled on up to `threads` threads.

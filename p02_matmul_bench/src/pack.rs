@@ -100,9 +100,13 @@ pub fn pack_b(
 /// [`transpose_sliver_scalar`] otherwise.
 ///
 /// # Panics
-/// If `w` lacks a value the sliver reads or `dst` is shorter than kc·nr.
+/// If `w` lacks a value the sliver reads, p0 + kc > ld, or `dst` is
+/// shorter than kc·nr. An empty sliver (nr or kc 0) writes nothing.
 pub fn transpose_sliver(w: &[f32], ld: usize, p0: usize, kc: usize, nr: usize, dst: &mut [f32]) {
     check_sliver(w.len(), ld, p0, kc, nr, dst.len());
+    if nr == 0 || kc == 0 {
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if nr.is_multiple_of(8) && kc > 0 && is_x86_feature_detected!("avx") {
         // SAFETY: AVX is present; every index the tiles touch was checked
@@ -123,6 +127,9 @@ pub fn transpose_sliver_scalar(
     dst: &mut [f32],
 ) {
     check_sliver(w.len(), ld, p0, kc, nr, dst.len());
+    if nr == 0 || kc == 0 {
+        return;
+    }
     for (p, d) in dst[..kc * nr].chunks_exact_mut(nr).enumerate() {
         for (c, v) in d.iter_mut().enumerate() {
             *v = w[c * ld + p0 + p];

@@ -441,6 +441,18 @@ fn sliver_transpose_matches_the_scalar_reference() {
 }
 
 #[test]
+fn empty_slivers_write_nothing() {
+    use p02_matmul_bench::pack::{transpose_sliver, transpose_sliver_scalar};
+    let w = vec![1.0f32; 64];
+    let mut dst = vec![f32::NAN; 8];
+    transpose_sliver(&w, 8, 0, 8, 0, &mut dst);
+    transpose_sliver(&w, 8, 0, 0, 8, &mut dst);
+    transpose_sliver_scalar(&w, 8, 0, 8, 0, &mut dst);
+    transpose_sliver_scalar(&w, 8, 0, 0, 8, &mut dst);
+    assert!(dst.iter().all(|v| v.is_nan()));
+}
+
+#[test]
 #[should_panic(expected = "need more than")]
 fn sliver_transpose_refuses_a_short_source() {
     let w = vec![0.0f32; 16 * 64 - 1];

@@ -102,6 +102,11 @@ impl Int8Mlp {
                             w.shape()
                         );
                     };
+                    ensure!(
+                        out > 0 && inp > 0,
+                        "{}: {name} has shape ({out}, {inp}); both must be at least 1",
+                        json.display()
+                    );
                     let bias = match param("bias") {
                         Some(b) => st.tensor(b)?.data().to_vec(),
                         None => vec![0.0; out],

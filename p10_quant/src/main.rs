@@ -164,6 +164,11 @@ fn int8(a: &Int8Args) -> Result<()> {
             Row::new("p10 int8 MNIST argmax = f32, W8", pct(r.agree[0]), "%"),
             Row::new("p10 int8 MNIST argmax = f32, W8A8", pct(r.agree[1]), "%").predicted(">= 99%"),
             Row::new(
+                "p10 int8 MNIST max logit diff W8",
+                r.max_diff[0] as f64,
+                "logit",
+            ),
+            Row::new(
                 "p10 int8 MNIST max logit diff W8A8",
                 r.max_diff[1] as f64,
                 "logit",

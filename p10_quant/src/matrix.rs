@@ -205,7 +205,7 @@ impl QuantMatrix {
             quantize_row_into(w, &mut out)?;
             Ok(out)
         }
-        if !cols.is_multiple_of(QK) {
+        if cols == 0 || !cols.is_multiple_of(QK) {
             return Err(FormatError::Ragged { len: cols }.into());
         }
         let blocks = match format {
@@ -234,7 +234,7 @@ impl QuantMatrix {
 
     /// Multiply each output row r of `y` (m, rows) by its channel's scale.
     pub(crate) fn scale_outputs(&self, y: &mut [f32]) {
-        if let Some(s) = &self.row_scale {
+        if let Some(s) = self.row_scale.as_ref().filter(|_| self.rows > 0) {
             for row in y.chunks_exact_mut(self.rows) {
                 row.iter_mut().zip(s).for_each(|(v, s)| *v *= s);
             }

@@ -322,8 +322,14 @@ fn pm(out: &str, key: &str) -> Result<(f64, f64)> {
     }
 }
 
+/// The last ~1,500 bytes of `s`, cut at a character boundary (the
+/// tool prints '±').
 fn tail(s: &str) -> &str {
-    &s[s.len().saturating_sub(1500)..]
+    let mut cut = s.len().saturating_sub(1500);
+    while !s.is_char_boundary(cut) {
+        cut += 1;
+    }
+    &s[cut..]
 }
 
 #[cfg(test)]

@@ -88,6 +88,10 @@ fn shapes_and_permutations_are_checked() {
     ));
     assert!(QuantMatrix::quantize(&w, 8, 32, Format::Q4_1, dot).is_ok());
     assert!(QuantMatrix::quantize(&w, 4, 60, Format::Q4_1, dot).is_err());
+    // Zero-width rows are an error, for every format (not a panic).
+    for f in [Format::Q4_1, Format::Q4_0, Format::Q8_0, Format::I8Channel] {
+        assert!(QuantMatrix::quantize(&[], 4, 0, f, dot).is_err(), "{f:?}");
+    }
     let m = QuantMatrix::quantize(&w, 4, 64, Format::Q4_1, dot).unwrap();
     let mut y = vec![0.0; 4];
     let pool = Pool::new(1, std::time::Duration::ZERO);
@@ -264,6 +268,12 @@ fn fused_groups_equal_their_members_products() {
         assert_eq!(ys[0], pa.apply(&x, m, 2).unwrap(), "{isa}");
         assert_eq!(ys[1], pb.apply(&x, m, 2).unwrap(), "{isa}");
         assert_eq!(ys[2], f.apply(&x, m, 2).unwrap(), "{isa}");
+        // Two block formats: the fused path answers Mixed, the format's
+        // own apply_group falls back to one by one.
+        let (mut ya, mut yb) = (vec![0.0f32; m * n], vec![0.0f32; m * n]);
+        Proj::apply_group(&[&pa, &pb], &x, m, &mut [&mut ya, &mut yb], 2).unwrap();
+        assert_eq!(ya, ys[0], "{isa}");
+        assert_eq!(yb, ys[1], "{isa}");
         // Too few output buffers is an error, not a panic.
         let mut y = vec![0.0f32; m * n];
         assert!(Proj::apply_group(&[&pa, &pb], &x, m, &mut [&mut y], 2).is_err());
