@@ -165,6 +165,9 @@ impl BatchModel for LlamaEngine {
 }
 
 impl LlamaEngine {
+    /// The step behind `forward_batch` and `forward_all`: every sequence's
+    /// new tokens through the model; `head` picks the rows the LM head
+    /// sees (each sequence's last, or every token).
     fn forward<S: KvStore>(
         &self,
         batch: &Batch,
