@@ -208,9 +208,11 @@ pub fn run(a: &PerplexityArgs) -> Result<()> {
         ));
     }
 
+    let mut peer_kl = None;
     if a.study != Study::Weights && !a.no_peer {
         match llama_perplexity(a, &path, &text_path) {
             Ok(p) => {
+                peer_kl = Some(p.kl.0);
                 println!(
                     "| llama.cpp F32 base | {:.3} ± {:.3} | 0 | 100% |",
                     p.base_ppl.0, p.base_ppl.1
@@ -237,11 +239,55 @@ pub fn run(a: &PerplexityArgs) -> Result<()> {
         }
     }
     if !a.no_record {
+        plot_kl(&lines, peer_kl)?;
         Recorder::for_workspace(command_line("p10_quant"))
             .machine_note(&format!("kernels {}", crate::Isa::detect()))
             .append(&rows)?;
     }
     Ok(())
+}
+
+/// Bits per weight of each studied format (blocks of 32: a 16-bit scale,
+/// and a 16-bit minimum for Q4_1; int8 per channel counted as 8, its one
+/// scale per row being negligible).
+fn bits_per_weight(label: &str) -> Option<f64> {
+    [
+        ("Q4_0", 4.5),
+        ("Q4_1", 5.0),
+        ("Q8_0", 8.5),
+        ("I8 per channel", 8.0),
+    ]
+    .iter()
+    .find(|(name, _)| label.contains(name))
+    .map(|&(_, b)| b)
+}
+
+/// `plots/kl_vs_bits.png`: KL(f32 ‖ format) against bits per weight, this
+/// run's rows, with llama.cpp's Q4_1 point when it ran.
+fn plot_kl(lines: &[Line], peer_kl: Option<f64>) -> Result<()> {
+    use common::plot::{line_chart, Labels, Scale, Series};
+    let mut ours: Vec<(f64, f64)> = lines
+        .iter()
+        .filter_map(|l| Some((bits_per_weight(&l.label)?, l.c.kl.mean())))
+        .collect();
+    ours.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut series = vec![Series::new("ours, 8-bit activations", ours)];
+    if let Some(kl) = peer_kl {
+        series.push(Series::new("llama.cpp Q4_1", vec![(5.0, kl)]));
+    }
+    let dir = common::assets::workspace_root().join("p10_quant/plots");
+    std::fs::create_dir_all(&dir)?;
+    line_chart(
+        &dir.join("kl_vs_bits.png"),
+        Labels {
+            title: "KL(f32 || quantised) per token vs bits per weight (SmolLM2, Moby-Dick)",
+            x: "bits per weight (log)",
+            y: "mean KL, nats (log)",
+        },
+        &series,
+        Scale::LogLog,
+    )
+    .map_err(anyhow::Error::msg)
 }
 
 /// llama.cpp's figures, each (value, error).
@@ -334,7 +380,22 @@ fn tail(s: &str) -> &str {
 
 #[cfg(test)]
 mod tests {
-    use super::pm;
+    use super::{bits_per_weight, pm};
+
+    #[test]
+    fn every_studied_format_has_its_bits() {
+        assert_eq!(
+            bits_per_weight("native Q4_1 (file's blocks, 8-bit activations)"),
+            Some(5.0)
+        );
+        assert_eq!(bits_per_weight("Q8_0 requantised from f32"), Some(8.5));
+        assert_eq!(
+            bits_per_weight("I8 per channel requantised from f32"),
+            Some(8.0)
+        );
+        assert_eq!(bits_per_weight("Q4_0 requantised from f32"), Some(4.5));
+        assert_eq!(bits_per_weight("f32"), None);
+    }
 
     #[test]
     fn reads_llama_perplexitys_summary_lines() {
