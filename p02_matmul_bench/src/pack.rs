@@ -114,7 +114,7 @@ pub fn transpose_sliver(w: &[f32], ld: usize, p0: usize, kc: usize, nr: usize, d
         unsafe { x86::transpose_sliver_avx(w, ld, p0, kc, nr, dst) };
         return;
     }
-    transpose_sliver_scalar(w, ld, p0, kc, nr, dst);
+    transpose_checked(w, ld, p0, kc, nr, dst);
 }
 
 /// The reference for [`transpose_sliver`]: one value at a time.
@@ -130,6 +130,11 @@ pub fn transpose_sliver_scalar(
     if nr == 0 || kc == 0 {
         return;
     }
+    transpose_checked(w, ld, p0, kc, nr, dst);
+}
+
+/// The scalar loop, once the sizes are checked and the sliver is not empty.
+fn transpose_checked(w: &[f32], ld: usize, p0: usize, kc: usize, nr: usize, dst: &mut [f32]) {
     for (p, d) in dst[..kc * nr].chunks_exact_mut(nr).enumerate() {
         for (c, v) in d.iter_mut().enumerate() {
             *v = w[c * ld + p0 + p];

@@ -138,23 +138,34 @@ pub fn compare(
         tokens.len()
     );
     let (mut lb, mut lt) = (Vec::new(), Vec::new());
-    let (mut pb, mut pt) = (Vec::new(), Vec::new());
+    let (mut row_lp, mut pt) = (Vec::new(), Vec::new());
+    // The base's log-probabilities and argmax of each scored row, computed
+    // once per chunk and shared by every test model.
+    let (mut pb, mut base_top) = (Vec::new(), Vec::new());
+    let scored = ctx / 2..ctx - 1;
     let mut out = vec![Comparison::default(); tests.len()];
     for i in 0..chunks {
         let chunk = &tokens[i * ctx..(i + 1) * ctx];
         chunk_logits(base, chunk, &mut lb)?;
+        pb.clear();
+        base_top.clear();
+        for pos in scored.clone() {
+            let row = &lb[pos * vocab..(pos + 1) * vocab];
+            log_softmax(row, &mut row_lp);
+            pb.extend_from_slice(&row_lp);
+            base_top.push(argmax(row));
+        }
         for (test, c) in tests.iter().zip(out.iter_mut()) {
             chunk_logits(test, chunk, &mut lt)?;
-            for pos in ctx / 2..ctx - 1 {
+            for (j, pos) in scored.clone().enumerate() {
                 let next = chunk[pos + 1] as usize;
-                let row = pos * vocab..(pos + 1) * vocab;
-                log_softmax(&lb[row.clone()], &mut pb);
-                log_softmax(&lt[row.clone()], &mut pt);
-                c.base.nll.push(-pb[next]);
+                let row = &lt[pos * vocab..(pos + 1) * vocab];
+                let pbj = &pb[j * vocab..(j + 1) * vocab];
+                log_softmax(row, &mut pt);
+                c.base.nll.push(-pbj[next]);
                 c.test.nll.push(-pt[next]);
-                c.kl.push(kl(&pb, &pt));
-                let same = argmax(&lb[row.clone()]) == argmax(&lt[row]);
-                c.top1.push(f64::from(u8::from(same)));
+                c.kl.push(kl(pbj, &pt));
+                c.top1.push(f64::from(u8::from(base_top[j] == argmax(row))));
             }
             c.chunks = i + 1;
         }
