@@ -100,12 +100,15 @@ pub fn blocks(len: usize, max: usize, unit: usize) -> impl Iterator<Item = (usiz
 }
 
 /// Where the micro-kernel's B slivers come from.
-#[derive(Clone, Copy, Debug)]
-enum BSrc<'a> {
+#[derive(Clone, Copy)]
+pub(crate) enum BSrc<'a> {
     /// Pack from a strided view on every call.
     Pack(&'a MatRef<'a>),
     /// Already packed once (weights), see [`PackedB`].
     Packed(&'a PackedB),
+    /// Expanded per (K block, sliver) from a weight stored in another
+    /// format, see [`crate::weight_rows`].
+    Rows(&'a crate::weight_rows::WeightRows<'a>),
 }
 
 /// B packed once for a kernel: every (N panel, K block) in the order the
@@ -304,7 +307,7 @@ pub fn gemm_packed(
 /// own thread: one fork-join per call (a fork-join per K block costs a
 /// wake-up each on this VM).
 #[allow(clippy::too_many_arguments)]
-fn gemm_dispatch(
+pub(crate) fn gemm_dispatch(
     alpha: f32,
     a: &MatRef,
     b: BSrc,
@@ -361,6 +364,8 @@ fn gemm_dispatch(
     let split_rows = match b {
         BSrc::Pack(_) => m >= n || n < threads * nr,
         BSrc::Packed(_) => m >= threads * mr * 2 || n < threads * nr,
+        // Columns, so each weight is expanded by one thread only.
+        BSrc::Rows(_) => n < threads * nr,
     };
     let (len, unit) = if split_rows { (m, mr) } else { (n, nr) };
     let chunk = len.div_ceil(threads).div_ceil(unit) * unit;
@@ -408,6 +413,12 @@ unsafe fn gemm_part(
     ldc: usize,
 ) {
     let (mr, nr, kc, mc, nc) = (kernel.mr, kernel.nr, kernel.kc, kernel.mc, kernel.nc);
+    // K blocks: a weight producer reads whole blocks of its format.
+    let k_unit = match b {
+        BSrc::Rows(w) => w.k_unit(),
+        _ => 1,
+    };
+    let mut rows_scratch = Vec::new();
     let mut local_b = AlignedBuf::default();
     let mut local_a = AlignedBuf::default();
     // Thread-local buffers (no rayon call happens while they are borrowed;
@@ -425,7 +436,7 @@ unsafe fn gemm_part(
             continue;
         }
         let (s0, s1) = ((lo - jc) / nr, (hi - jc).div_ceil(nr));
-        for (pci, (pc, kcb)) in blocks(k, kc, 1).enumerate() {
+        for (pci, (pc, kcb)) in blocks(k, kc, k_unit).enumerate() {
             let beta_eff = if pc == 0 { beta } else { 1.0 };
             let b_slivers: &[f32] = match b {
                 BSrc::Pack(bm) => {
@@ -434,6 +445,11 @@ unsafe fn gemm_part(
                     buf
                 }
                 BSrc::Packed(p) => &p.panel_at(jci, pci)[s0 * kcb * nr..s1 * kcb * nr],
+                BSrc::Rows(w) => {
+                    let buf = bbuf.get((s1 - s0) * kcb * nr);
+                    w.pack(jc + s0 * nr, jend, pc, kcb, nr, &mut rows_scratch, buf);
+                    buf
+                }
             };
             for (i, mcb) in blocks(rows.len(), mc, mr) {
                 let ic = rows.start + i;
@@ -634,7 +650,7 @@ pub fn sgemm(a: MatRef, b: MatRef, c: &mut MatMut, opts: GemmOpts) -> Result<(),
 }
 
 /// A (M, K) x B (K, N) -> C (M, N), and a bias of length N.
-fn check_args(
+pub(crate) fn check_args(
     a: &MatRef,
     (k, n): (usize, usize),
     c: &MatMut,
@@ -700,7 +716,7 @@ pub fn sgemm_prepacked(
     Ok(())
 }
 
-fn add_bias(c: &mut MatMut, bias: Option<&[f32]>) {
+pub(crate) fn add_bias(c: &mut MatMut, bias: Option<&[f32]>) {
     if let Some(bias) = bias {
         for i in 0..c.rows {
             for (v, &bj) in c.data[i * c.ld..i * c.ld + c.cols].iter_mut().zip(bias) {

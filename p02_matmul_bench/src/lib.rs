@@ -21,10 +21,12 @@ pub mod reference;
 pub mod sweep;
 pub mod sweep_mlp;
 pub mod variants;
+pub mod weight_rows;
 
 pub use gemm::{linear, sgemm, sgemm_prepacked, sgemm_with, AlignedBuf, GemmOpts, PackedB};
 pub use kernels::MicroKernel;
 pub use mat::{MatMut, MatRef};
+pub use weight_rows::sgemm_weight_rows;
 
 use thiserror::Error;
 
@@ -44,6 +46,8 @@ pub enum GemmError {
         needed: Option<usize>,
         len: usize,
     },
+    #[error("weight producer: K = {k} is not a multiple of its block of {k_unit} values")]
+    KUnit { k: usize, k_unit: usize },
     #[error("bias has {len} elements, C has {n} columns")]
     Bias { len: usize, n: usize },
     #[error("linear: x has {x} elements, W {w}, y {y}; expected rows={rows} x in, out={out_f} x in, rows x out")]

@@ -459,3 +459,101 @@ fn sliver_transpose_refuses_a_short_source() {
     let mut dst = vec![0.0f32; 64 * 16];
     p02_matmul_bench::pack::transpose_sliver(&w, 64, 0, 64, 16, &mut dst);
 }
+
+/// The in-loop weight producer (Project 10's prefill path) against the f64
+/// reference: ragged slivers, panels and K blocks, one and two threads, a
+/// K unit of 1 and of 32 (a quantised block), bias and beta; every range it
+/// is asked for is inside W and on the unit.
+#[test]
+fn weight_rows_in_the_loop_match_reference() {
+    use p02_matmul_bench::sgemm_weight_rows;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let shapes = [
+        (1, 3, 32, 32),
+        (7, 17, 64, 32),
+        (16, 700, 576, 32),
+        (40, 33, 1536, 32),
+        (13, 31, 257, 1),
+        (256, 96, 192, 32),
+    ];
+    for (m, n, k, k_unit) in shapes {
+        let av = common::testdata::uniform(m * k, (m + 5 * k) as u64);
+        let w = common::testdata::uniform(n * k, (2 * n + k) as u64); // W (n, k)
+        let bias = common::testdata::uniform(n, 13);
+        let c0 = common::testdata::uniform(m * n, 17);
+        let a = MatRef::row_major(&av, m, k).unwrap();
+        let b = MatRef::row_major(&w, n, k).unwrap().t();
+        let mut ref_c = vec![7.0; m * (n + 2)];
+        for (r, v) in ref_c.chunks_mut(n + 2).zip(c0.chunks(n)) {
+            r[..n].copy_from_slice(v);
+        }
+        let scale = gemm_ref(
+            0.5,
+            a,
+            b,
+            2.0,
+            &mut MatMut::new(&mut ref_c, m, n, n + 2).unwrap(),
+            Some(&bias),
+        );
+        for threads in [1, 2] {
+            let asked = AtomicUsize::new(0);
+            let produce = |j0: usize, count: usize, p0: usize, kc: usize, out: &mut [f32]| {
+                assert!(j0 + count <= n && p0 + kc <= k, "range outside W");
+                assert!(
+                    p0.is_multiple_of(k_unit) && kc.is_multiple_of(k_unit),
+                    "off the unit"
+                );
+                assert_eq!(out.len(), count * kc);
+                for (r, row) in out.chunks_exact_mut(kc).enumerate() {
+                    let src = (j0 + r) * k + p0;
+                    row.copy_from_slice(&w[src..src + kc]);
+                }
+                asked.fetch_add(count * kc, Ordering::Relaxed);
+            };
+            let mut c = vec![7.0; m * (n + 2)];
+            for (r, v) in c.chunks_mut(n + 2).zip(c0.chunks(n)) {
+                r[..n].copy_from_slice(v);
+            }
+            let mut cm = MatMut::new(&mut c, m, n, n + 2).unwrap();
+            let opts = GemmOpts {
+                alpha: 0.5,
+                beta: 2.0,
+                bias: Some(&bias),
+                threads,
+            };
+            sgemm_weight_rows(a, n, k_unit, &produce, &mut cm, opts).unwrap();
+            check(
+                &format!("weight rows threads {threads} {m}x{n}x{k} unit {k_unit}"),
+                &cm,
+                &ref_c,
+                &scale,
+                k,
+            );
+            // Each weight once when the columns split (or one thread).
+            let split = threads == 1 || n >= threads * MicroKernel::best().nr;
+            if split {
+                assert_eq!(asked.load(Ordering::Relaxed), n * k, "{m}x{n}x{k}");
+            }
+        }
+    }
+    // K not a multiple of the unit, or a zero unit: an error, not a panic.
+    let (x, mut y) = (vec![0.0; 2 * 40], vec![0.0; 2 * 3]);
+    let none = |_: usize, _: usize, _: usize, _: usize, _: &mut [f32]| {};
+    for unit in [0, 32] {
+        let e = sgemm_weight_rows(
+            MatRef::row_major(&x, 2, 40).unwrap(),
+            3,
+            unit,
+            &none,
+            &mut MatMut::row_major(&mut y, 2, 3).unwrap(),
+            GemmOpts::default(),
+        );
+        assert_eq!(
+            e,
+            Err(GemmError::KUnit {
+                k: 40,
+                k_unit: unit
+            })
+        );
+    }
+}

@@ -1,4 +1,5 @@
-//! Prefill speed, f32 vs native, interleaved (for profiling the prefill path):
+//! Prefill speed, f32 vs native (panels expanded in p02's loop, or W
+//! prepacked whole first), interleaved (for profiling the prefill path):
 //! `cargo run --release -p p10_quant --example prefill_ab [tokens] [rounds]`.
 fn main() -> anyhow::Result<()> {
     let path =
@@ -16,12 +17,18 @@ fn main() -> anyhow::Result<()> {
         }
         return Ok(());
     }
+    use p10_quant::matrix::{set_panel_expansion, PanelExpansion};
     for _ in 0..rounds {
         let a = p05_kv_cache::bench::prefill_speed(&f.engine, n)?;
+        set_panel_expansion(PanelExpansion::InLoop);
         let b = p05_kv_cache::bench::prefill_speed(&q.engine, n)?;
+        set_panel_expansion(PanelExpansion::Prepacked);
+        let c = p05_kv_cache::bench::prefill_speed(&q.engine, n)?;
+        set_panel_expansion(PanelExpansion::InLoop);
         println!(
-            "prefill {n}: f32 {a:.0} tok/s, native {b:.0} tok/s, native/f32 {:.2}",
-            b / a
+            "prefill {n}: f32 {a:.0} tok/s, native in-loop {b:.0} ({:.2}x), native prepacked {c:.0} ({:.2}x)",
+            b / a,
+            c / a
         );
     }
     Ok(())

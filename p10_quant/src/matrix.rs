@@ -338,8 +338,10 @@ impl QuantMatrix {
         m >= self.f32_rows && self.rows * self.cols <= F32_GEMM_MAX_WEIGHTS
     }
 
-    /// Dequantise W into f32 (rows, cols) and run Project 02's sgemm: each
-    /// weight is expanded once and used m times, at f32 GEMM speed.
+    /// Expand W into f32 and run Project 02's sgemm: each weight is
+    /// expanded once and used m times, at f32 GEMM speed. By default the
+    /// expansion happens inside p02's blocked loop, one (K block, sliver)
+    /// at a time into the cache-resident panel ([`PanelExpansion::InLoop`]).
     pub fn matmul_f32(
         &self,
         x: &[f32],
@@ -347,7 +349,47 @@ impl QuantMatrix {
         y: &mut [f32],
         threads: usize,
     ) -> Result<(), MatrixError> {
+        self.matmul_f32_with(x, m, y, threads, panel_expansion())
+    }
+
+    /// [`QuantMatrix::matmul_f32`] with the expansion named.
+    pub fn matmul_f32_with(
+        &self,
+        x: &[f32],
+        m: usize,
+        y: &mut [f32],
+        threads: usize,
+        how: PanelExpansion,
+    ) -> Result<(), MatrixError> {
         let (n, k) = self.check_io(x, m, y)?;
+        let gemm = |e: p02_matmul_bench::GemmError| MatrixError::Gemm(e.to_string());
+        if how == PanelExpansion::InLoop {
+            let per = k / QK;
+            // W[j0..j0 + count, p0..p0 + kc]: p0 and kc are whole blocks.
+            let produce = |j0: usize, count: usize, p0: usize, kc: usize, out: &mut [f32]| {
+                let (b0, nb) = (p0 / QK, kc / QK);
+                for (r, row) in out.chunks_exact_mut(kc).take(count).enumerate() {
+                    let first = (j0 + r) * per + b0;
+                    self.dot.expand(&self.blocks.slice(first..first + nb), row);
+                    if let Some(s) = &self.row_scale {
+                        let s = s[j0 + r];
+                        row.iter_mut().for_each(|v| *v *= s);
+                    }
+                }
+            };
+            return p02_matmul_bench::sgemm_weight_rows(
+                p02_matmul_bench::MatRef::row_major(x, m, k).map_err(gemm)?,
+                n,
+                QK,
+                &produce,
+                &mut p02_matmul_bench::MatMut::row_major(y, m, n).map_err(gemm)?,
+                p02_matmul_bench::GemmOpts {
+                    threads,
+                    ..Default::default()
+                },
+            )
+            .map_err(gemm);
+        }
         let per = k / QK;
         // Each weight row expanded once, straight into p02's packed panels.
         let buf = PACKED.with(|b| b.take());
@@ -361,7 +403,6 @@ impl QuantMatrix {
                     }
                 }
             });
-        let gemm = |e: p02_matmul_bench::GemmError| MatrixError::Gemm(e.to_string());
         let r = p02_matmul_bench::sgemm_prepacked(
             p02_matmul_bench::MatRef::row_major(x, m, k).map_err(gemm)?,
             &packed,
@@ -494,6 +535,36 @@ pub fn set_fused_groups(on: bool) {
 
 fn fused_groups() -> bool {
     FUSED_GROUPS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Where the prefill path expands W into p02's packed f32 panels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PanelExpansion {
+    /// One (K block, sliver) at a time inside p02's blocked loop, into the
+    /// panel the micro-kernel then reads from cache (the default).
+    InLoop,
+    /// All of W first, into a whole packed copy (f32, 4 bytes a weight) that
+    /// the GEMM then streams back from memory.
+    Prepacked,
+}
+
+static PREPACKED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Choose the prefill path's expansion, for side-by-side measurements
+/// (`examples/prefill_ab.rs`).
+pub fn set_panel_expansion(how: PanelExpansion) {
+    PREPACKED.store(
+        how == PanelExpansion::Prepacked,
+        std::sync::atomic::Ordering::Relaxed,
+    );
+}
+
+pub fn panel_expansion() -> PanelExpansion {
+    if PREPACKED.load(std::sync::atomic::Ordering::Relaxed) {
+        PanelExpansion::Prepacked
+    } else {
+        PanelExpansion::InLoop
+    }
 }
 
 /// f16 1.0: the block scale of int8-per-channel rows held as Q8_0.

@@ -5,7 +5,7 @@
 
 use common::rng::Rng;
 use p10_quant::formats::{quantize_row, BlockQ8_0, BlockQ8_1, QK};
-use p10_quant::matrix::MatrixError;
+use p10_quant::matrix::{MatrixError, PanelExpansion};
 use p10_quant::{Blocks, Dot, Format, Isa, Pool, QuantMatrix};
 
 fn random(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
@@ -111,9 +111,9 @@ fn shapes_and_permutations_are_checked() {
     }
 }
 
-/// The prefill path (weights expanded into p02's packed panels, f32 sgemm)
-/// is the product of the dequantised weights: equal to a naive f64 product
-/// within f32 summation error (the SIMD expansion rounds once per weight,
+/// The prefill path (weights expanded into p02's packed panels, inside its
+/// loop or whole first; f32 sgemm) is the product of the dequantised
+/// weights: equal to a naive f64 product within f32 summation error (the SIMD expansion rounds once per weight,
 /// the reference twice: an ulp).
 #[test]
 fn the_f32_path_is_the_dequantised_product() {
@@ -125,21 +125,23 @@ fn the_f32_path_is_the_dequantised_product() {
         for format in [Format::Q4_1, Format::Q8_0, Format::Q4_0, Format::I8Channel] {
             let mat = QuantMatrix::quantize(&w, n, k, format, Dot::new(isa).unwrap()).unwrap();
             let wd = mat.dequantize();
-            let mut y = vec![0.0f32; m * n];
-            mat.matmul_f32(&x, m, &mut y, 2).unwrap();
-            for i in 0..m {
-                for r in 0..n {
-                    let exact: f64 = (0..k)
-                        .map(|j| wd[r * k + j] as f64 * x[i * k + j] as f64)
-                        .sum();
-                    let scale: f64 = (0..k)
-                        .map(|j| (wd[r * k + j] * x[i * k + j]).abs() as f64)
-                        .sum();
-                    let got = y[i * n + r] as f64;
-                    assert!(
-                        (got - exact).abs() <= 1e-5 * scale + 1e-30,
-                        "{isa} {format:?} ({i}, {r}): {got} vs {exact}"
-                    );
+            for how in [PanelExpansion::InLoop, PanelExpansion::Prepacked] {
+                let mut y = vec![0.0f32; m * n];
+                mat.matmul_f32_with(&x, m, &mut y, 2, how).unwrap();
+                for i in 0..m {
+                    for r in 0..n {
+                        let exact: f64 = (0..k)
+                            .map(|j| wd[r * k + j] as f64 * x[i * k + j] as f64)
+                            .sum();
+                        let scale: f64 = (0..k)
+                            .map(|j| (wd[r * k + j] * x[i * k + j]).abs() as f64)
+                            .sum();
+                        let got = y[i * n + r] as f64;
+                        assert!(
+                            (got - exact).abs() <= 1e-5 * scale + 1e-30,
+                            "{isa} {format:?} {how:?} ({i}, {r}): {got} vs {exact}"
+                        );
+                    }
                 }
             }
         }
