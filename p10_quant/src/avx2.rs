@@ -35,10 +35,9 @@ fn hsum(v: __m256) -> f32 {
 fn nibbles(qs: &[u8; 16]) -> __m256i {
     // SAFETY: `qs` is 16 readable bytes; the load is unaligned.
     let b = unsafe { _mm_loadu_si128(qs.as_ptr().cast()) };
-    let m = _mm_set1_epi8(0x0f);
-    let lo = _mm_and_si128(b, m);
-    let hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-    _mm256_set_m128i(hi, lo)
+    // (b >> 4 | b) then one mask over all 32 bytes: 4 instructions, not 5.
+    let both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
+    _mm256_and_si256(both, _mm256_set1_epi8(0x0f))
 }
 
 #[inline]
@@ -63,8 +62,12 @@ fn dot_i8_i8(a: __m256i, b: __m256i) -> __m256 {
     dot_u8_i8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a))
 }
 
-/// How many blocks ahead the weight loops prefetch.
-const PREFETCH: usize = 16;
+/// How many blocks ahead the weight loops prefetch: 64 Q4_1 blocks are
+/// 1,280 bytes, about 200 ns of this loop's streaming, a DRAM latency or
+/// two. Chosen by interleaved decode runs in one process: 16 / 32 / 64 /
+/// 128 blocks gave 77.8 / 80.7 / 83.6 / 84.2 tok/s (medians of 6), and
+/// 16 / 64 / 256 / 512 gave 83.5 / 86.3 / 84.9 / 85.7.
+const PREFETCH: usize = 64;
 
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C.
