@@ -8,6 +8,7 @@
 //! (the model's chat template, its BOS policy, tokenisation) every front uses.
 
 pub mod bench;
+pub mod bpe;
 pub mod dequant;
 pub mod error;
 pub mod generate;
@@ -19,6 +20,7 @@ pub mod model;
 pub mod model_file;
 pub mod proj;
 pub mod prompt;
+pub mod tokenize_bench;
 pub mod tokenizer;
 pub mod trace;
 pub mod weights;

@@ -49,6 +49,12 @@ enum Cmd {
         #[arg(long)]
         no_record: bool,
     },
+    /// Tokenize hostile prompts (one letter repeated, up to 1 MiB): the heap
+    /// merge loop, and the naive one where it finishes.
+    TokenizeBench {
+        #[arg(long)]
+        no_record: bool,
+    },
 }
 
 fn model_path(p: Option<PathBuf>) -> Result<PathBuf> {
@@ -66,6 +72,13 @@ fn main() -> Result<()> {
             p04_transformer::GgufFile::open(&path).with_context(|| "inspect reads GGUF files")?;
         print!("{}", p04_transformer::inspect::summary(&f.header)?);
         return Ok(());
+    }
+    if let Cmd::TokenizeBench { no_record } = cli.cmd {
+        let f = p04_transformer::GgufFile::open(&path)
+            .with_context(|| "tokenize-bench reads a GGUF's tokenizer")?;
+        let tok = p04_transformer::Tokenizer::from_gguf(&f.header)?;
+        let command = common::numbers::command_line("p04_transformer");
+        return p04_transformer::tokenize_bench::run(&tok, !no_record, &command);
     }
     let Loaded { model, tokenizer } = Model::load(&path)?;
     match cli.cmd {
@@ -122,7 +135,7 @@ fn main() -> Result<()> {
             let command = common::numbers::command_line("p04_transformer");
             p04_transformer::bench::run(&model, &seqs, !no_record, &command)?;
         }
-        Cmd::Inspect => unreachable!("handled above"),
+        Cmd::Inspect | Cmd::TokenizeBench { .. } => unreachable!("handled above"),
     }
     Ok(())
 }

@@ -2,8 +2,8 @@
 //!
 //! encode: split out special (control) tokens literally; pre-tokenize the rest
 //! with GPT-2's pattern; map each piece's bytes to printable characters
-//! (`bytes_to_unicode`); merge adjacent symbols by lowest merge rank until no
-//! merge applies; look the symbols up in the vocabulary.
+//! (`bytes_to_unicode`) and their tokens' ids; merge adjacent symbols by
+//! lowest merge rank until no merge applies (`bpe.rs`).
 //! decode: concatenate token strings and map the characters back to bytes.
 
 use std::collections::HashMap;
@@ -11,6 +11,7 @@ use std::path::Path;
 
 use regex::Regex;
 
+use crate::bpe::Merges;
 use crate::error::ModelError;
 use crate::gguf::{GgufHeader, Value};
 
@@ -24,11 +25,15 @@ pub struct Tokenizer {
     /// id -> token string (in byte-level characters; specials verbatim)
     tokens: Vec<String>,
     ids: HashMap<String, u32>,
-    /// (left, right) -> rank
-    merges: HashMap<(String, String), usize>,
+    /// (left id, right id) -> (rank, merged id)
+    merges: Merges,
     /// Control/user-defined tokens matched literally in text, longest first.
     specials: Vec<(String, u32)>,
-    byte_char: [char; 256],
+    /// The specials as one alternation, longest first, so one scan of the
+    /// text finds the earliest (longest on ties); None when there are none.
+    special_re: Option<Regex>,
+    /// The id of each byte's one-character token (None in a broken vocabulary).
+    byte_id: [Option<u32>; 256],
     char_byte: HashMap<char, u8>,
     pattern: Regex,
     pub bos_id: Option<u32>,
@@ -238,10 +243,12 @@ impl Tokenizer {
             .zip(0..n)
             .filter(|(t, _)| !t.is_empty())
             .collect();
-        let mut merges = HashMap::with_capacity(merge_list.len());
-        for (rank, pair) in merge_list.into_iter().enumerate() {
-            merges.entry(pair).or_insert(rank);
-        }
+        // Merges on ids; one whose parts or result are not tokens can never
+        // produce a token, and is dropped.
+        let merges = Merges::new(merge_list.iter().filter_map(|(a, b)| {
+            let merged = ids.get(&format!("{a}{b}"))?;
+            Some((*ids.get(a)?, *ids.get(b)?, *merged))
+        }));
         let mut specials: Vec<(String, u32)> = special_ids
             .iter()
             .filter_map(|&id| {
@@ -252,7 +259,14 @@ impl Tokenizer {
             })
             .collect();
         specials.sort_by_key(|s| std::cmp::Reverse(s.0.len()));
+        let special_re = if specials.is_empty() {
+            None
+        } else {
+            let alternation: Vec<String> = specials.iter().map(|(s, _)| regex::escape(s)).collect();
+            Some(Regex::new(&alternation.join("|")).map_err(|e| format!("special tokens: {e}"))?)
+        };
         let byte_char = bytes_to_unicode();
+        let byte_id = std::array::from_fn(|b| ids.get(&byte_char[b].to_string()).copied());
         let char_byte = byte_char
             .iter()
             .enumerate()
@@ -263,7 +277,8 @@ impl Tokenizer {
             ids,
             merges,
             specials,
-            byte_char,
+            special_re,
+            byte_id,
             char_byte,
             pattern: Regex::new(GPT2_PATTERN).expect("constant pattern"),
             bos_id: bos.filter(|&v| v < n),
@@ -286,8 +301,29 @@ impl Tokenizer {
         self.ids.get(token).copied()
     }
 
-    /// Text to ids (no BOS added).
+    /// Text to ids (no BOS added). Linear in the text but for the merges'
+    /// log factor: one scan for special tokens, one for pre-tokens, a heap
+    /// per pre-token (see [`crate::bpe`]).
     pub fn encode(&self, text: &str) -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut plain_from = 0;
+        if let Some(re) = &self.special_re {
+            for m in re.find_iter(text) {
+                self.encode_plain(&text[plain_from..m.start()], &mut out, Merges::merge);
+                if let Some((_, id)) = self.specials.iter().find(|(s, _)| s == m.as_str()) {
+                    out.push(*id);
+                }
+                plain_from = m.end();
+            }
+        }
+        self.encode_plain(&text[plain_from..], &mut out, Merges::merge);
+        out
+    }
+
+    /// The reference for [`Tokenizer::encode`]: each special token searched
+    /// for separately after each split, and the naive merge loop. Quadratic
+    /// in a pre-token's length; for tests.
+    pub fn encode_naive(&self, text: &str) -> Vec<u32> {
         let mut out = Vec::new();
         let mut rest = text;
         while !rest.is_empty() {
@@ -297,54 +333,31 @@ impl Tokenizer {
                 .iter()
                 .filter_map(|(s, id)| rest.find(s.as_str()).map(|at| (at, s.len(), *id)))
                 .min_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
-            let (plain, special) = match next {
-                Some((at, len, id)) => (&rest[..at], Some((len, id, at))),
-                None => (rest, None),
+            let Some((at, len, id)) = next else {
+                self.encode_plain(rest, &mut out, Merges::merge_naive);
+                break;
             };
-            for piece in pre_tokenize(&self.pattern, plain) {
-                self.bpe(piece, &mut out);
-            }
-            match special {
-                Some((len, id, at)) => {
-                    out.push(id);
-                    rest = &rest[at + len..];
-                }
-                None => break,
-            }
+            self.encode_plain(&rest[..at], &mut out, Merges::merge_naive);
+            out.push(id);
+            rest = &rest[at + len..];
         }
         out
     }
 
-    /// BPE over one pre-token: merge the lowest-ranked adjacent pair (leftmost
-    /// on ties) until none applies.
-    fn bpe(&self, piece: &str, out: &mut Vec<u32>) {
-        let mut syms: Vec<String> = piece
-            .bytes()
-            .map(|b| self.byte_char[b as usize].to_string())
-            .collect();
-        loop {
-            let best = syms
-                .windows(2)
-                .enumerate()
-                .filter_map(|(i, w)| {
-                    self.merges
-                        .get(&(w[0].clone(), w[1].clone()))
-                        .map(|&r| (r, i))
-                })
-                .min();
-            let Some((_, i)) = best else { break };
-            let right = syms.remove(i + 1);
-            syms[i].push_str(&right);
-        }
-        for s in syms {
-            // Every byte-level character is in a byte-level BPE vocabulary;
-            // if one is not (a broken file), fall back to its bytes' ids.
-            match self.ids.get(&s) {
-                Some(&id) => out.push(id),
-                None => out.extend(
-                    s.chars()
-                        .filter_map(|c| self.ids.get(&c.to_string()).copied()),
-                ),
+    /// Pre-tokenize text with no special tokens in it and merge each piece.
+    fn encode_plain(&self, text: &str, out: &mut Vec<u32>, merge: fn(&Merges, &mut Vec<u32>)) {
+        let mut ids = Vec::new();
+        for piece in pre_tokenize(&self.pattern, text) {
+            // One symbol per byte; a byte with no token (a broken
+            // vocabulary) is dropped and splits the piece.
+            for run in piece
+                .as_bytes()
+                .split(|&b| self.byte_id[b as usize].is_none())
+            {
+                ids.clear();
+                ids.extend(run.iter().filter_map(|&b| self.byte_id[b as usize]));
+                merge(&self.merges, &mut ids);
+                out.extend_from_slice(&ids);
             }
         }
     }

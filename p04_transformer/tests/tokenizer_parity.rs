@@ -157,3 +157,40 @@ fn tokenizer_json_from_hf_tokenizers_matches_transformers() {
     );
     std::fs::remove_file(&tmp).ok();
 }
+
+/// The linear-time encoder (one scan for specials, heap merges) against
+/// the naive one (a search per special after each split, the O(n²) merge
+/// loop) on SmolLM2's vocabulary: the corpus, long runs of one letter (the
+/// hostile prompt), runs of digits, spaces and a two-byte letter, specials
+/// back to back and inside near-misses. The corpus itself is checked
+/// against transformers above.
+#[test]
+fn fast_encode_equals_the_naive_reference() {
+    let path =
+        common::assets::ensure(common::assets::Asset::SmolLm2).unwrap_or_else(|e| panic!("{e}"));
+    let tok = Tokenizer::from_gguf(&GgufFile::open(&path).unwrap().header).unwrap();
+    let corpus: Value = serde_json::from_str(
+        &std::fs::read_to_string(p04_transformer::fixtures_dir().join("tokenizer_corpus.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    let mut texts: Vec<String> = corpus["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap().to_string())
+        .collect();
+    for n in [1, 2, 3, 17, 255, 2000] {
+        texts.push("a".repeat(n));
+        texts.push(format!(" {}", "ab".repeat(n)));
+        texts.push("1".repeat(n));
+        texts.push(" ".repeat(n) + "x");
+        texts.push("é".repeat(n));
+    }
+    texts.push("<|im_start|><|im_end|><|im_start|>user\nhi<|im_end|>".into());
+    texts.push("<|im_start<|im_start|>|>endoftext<|endoftext|>x".into());
+    assert!(texts.len() > 240);
+    for t in &texts {
+        assert_eq!(tok.encode(t), tok.encode_naive(t), "{t:?}");
+    }
+}

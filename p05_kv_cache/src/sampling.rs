@@ -186,17 +186,23 @@ impl Sampler {
 }
 
 /// Step 1 (transformers' rule): logit / penalty if positive, x penalty if not,
-/// once per distinct token in `history`.
+/// once per distinct token in `history` (a bitset over the vocabulary
+/// remembers which: linear in the history, not quadratic).
 pub fn apply_repetition_penalty(logits: &mut [f32], history: &[u32], penalty: f32) {
     if penalty == 1.0 {
         return;
     }
-    for (i, &t) in history.iter().enumerate() {
-        if history[..i].contains(&t) {
+    let mut seen = vec![0u64; logits.len().div_ceil(64)];
+    for &t in history {
+        let t = t as usize;
+        let (Some(word), Some(l)) = (seen.get_mut(t / 64), logits.get_mut(t)) else {
+            continue;
+        };
+        let bit = 1u64 << (t % 64);
+        if *word & bit != 0 {
             continue;
         }
-        if let Some(l) = logits.get_mut(t as usize) {
-            *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
-        }
+        *word |= bit;
+        *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
     }
 }

@@ -146,6 +146,20 @@ fn repetition_penalty_follows_transformers_rule() {
         vec![1.0, -2.0, 0.5],
         "positive / p, negative * p, once per token"
     );
+    // Ids past the vocabulary are ignored; a long history with repeats
+    // (the seen set is a bitset: linear) penalises each token once, across
+    // the bitset's 64-id words.
+    let mut l = vec![1.0f32; 130];
+    let history: Vec<u32> = (0..10_000).map(|i| [5, 64, 129, 7, 500][i % 5]).collect();
+    apply_repetition_penalty(&mut l, &history, 4.0);
+    for (i, v) in l.iter().enumerate() {
+        let want = if [5, 7, 64, 129].contains(&i) {
+            0.25
+        } else {
+            1.0
+        };
+        assert_eq!(*v, want, "logit {i}");
+    }
 }
 
 #[test]
