@@ -6,7 +6,7 @@
 //! per thread (its own columns of C = its own rows of W):
 //!   for pc in K by kc (a multiple of the producer's block):
 //!     for each nr-row sliver of W:   rows(j0, nr, pc, kc) -> scratch (nr x kc, L1)
-//!                                    transpose into the packed B panel (L2)
+//!                                    transpose into the packed B panel (L2/L3)
 //!     for ic in M by mc: micro-kernels, as in `sgemm`
 //! ```
 //!

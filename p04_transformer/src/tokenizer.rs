@@ -34,6 +34,10 @@ pub struct Tokenizer {
     special_re: Option<Regex>,
     /// The id of each byte's one-character token (None in a broken vocabulary).
     byte_id: [Option<u32>; 256],
+    /// The most bytes any token stands for: a text of b bytes is at least
+    /// b / this many tokens (how a server refuses an oversized prompt
+    /// before tokenizing it).
+    max_token_bytes: usize,
     char_byte: HashMap<char, u8>,
     pattern: Regex,
     pub bos_id: Option<u32>,
@@ -267,11 +271,38 @@ impl Tokenizer {
         };
         let byte_char = bytes_to_unicode();
         let byte_id = std::array::from_fn(|b| ids.get(&byte_char[b].to_string()).copied());
-        let char_byte = byte_char
+
+        let char_byte: HashMap<char, u8> = byte_char
             .iter()
             .enumerate()
             .map(|(b, &c)| (c, b as u8))
             .collect();
+        // What `decode_bytes` gives per token: a special its own text, any
+        // other token one byte per character of the byte map (a character
+        // outside it, its UTF-8).
+        let special_ids: std::collections::HashSet<usize> =
+            specials.iter().map(|&(_, id)| id as usize).collect();
+        let max_token_bytes = tokens
+            .iter()
+            .enumerate()
+            .map(|(id, t)| {
+                if special_ids.contains(&id) {
+                    t.len()
+                } else {
+                    t.chars()
+                        .map(|c| {
+                            if char_byte.contains_key(&c) {
+                                1
+                            } else {
+                                c.len_utf8()
+                            }
+                        })
+                        .sum()
+                }
+            })
+            .max()
+            .unwrap_or(1)
+            .max(1);
         Ok(Tokenizer {
             tokens,
             ids,
@@ -279,6 +310,7 @@ impl Tokenizer {
             specials,
             special_re,
             byte_id,
+            max_token_bytes,
             char_byte,
             pattern: Regex::new(GPT2_PATTERN).expect("constant pattern"),
             bos_id: bos.filter(|&v| v < n),
@@ -295,6 +327,11 @@ impl Tokenizer {
     /// The token string of `id` (byte-level characters), if it exists.
     pub fn token(&self, id: u32) -> Option<&str> {
         self.tokens.get(id as usize).map(String::as_str)
+    }
+
+    /// The most bytes one token decodes to (at least 1).
+    pub fn max_token_bytes(&self) -> usize {
+        self.max_token_bytes
     }
 
     pub fn id(&self, token: &str) -> Option<u32> {

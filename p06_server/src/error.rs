@@ -31,6 +31,11 @@ impl ApiError {
         }
     }
 
+    /// 500: a failure of the server itself, not of the request.
+    pub fn internal(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", message)
+    }
+
     /// 400 about one field.
     pub fn invalid(param: &str, message: impl Into<String>) -> ApiError {
         ApiError {

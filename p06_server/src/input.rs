@@ -71,13 +71,20 @@ impl InputProcessor {
                 }
                 Ok(ids.clone())
             }
-            PromptInput::Text(t) => Ok(self.prompts.encode_text(t)),
+            PromptInput::Text(t) => {
+                self.check_bytes("prompt", t.len())?;
+                Ok(self.prompts.encode_text(t))
+            }
             PromptInput::Chat(messages) => {
                 let to_engine = |e: crate::error::ApiError| EngineError::InvalidRequest {
                     message: e.message,
                     param: e.param,
                 };
                 let turns = turns(messages).map_err(to_engine)?;
+                // The contents' bytes bound the rendered prompt's from
+                // below (a template adds text around them; one that trimmed
+                // contents would make this bound too strict).
+                self.check_bytes("messages", turns.iter().map(|(_, c)| c.len()).sum())?;
                 let turns: Vec<(&str, &str)> =
                     turns.iter().map(|(r, c)| (*r, c.as_str())).collect();
                 self.prompts
@@ -85,6 +92,26 @@ impl InputProcessor {
                     .map_err(|e| to_engine(prompt_error(e)))
             }
         }
+    }
+
+    /// Refuse text that cannot fit the context whatever its tokens: every
+    /// token stands for at most `max_token_bytes` bytes, so `bytes` of text
+    /// are at least bytes / max_token_bytes tokens. Checked before
+    /// tokenizing, so an oversized prompt costs no tokenizer time.
+    fn check_bytes(&self, param: &str, bytes: usize) -> Result<(), EngineError> {
+        let per = self.prompts.tokenizer().max_token_bytes();
+        let fewest = bytes.div_ceil(per);
+        if fewest > self.context {
+            return Err(EngineError::InvalidRequest {
+                message: format!(
+                    "the prompt is {bytes} bytes, so at least {fewest} tokens (no token is \
+                     longer than {per} bytes): more than the model's context of {} tokens",
+                    self.context
+                ),
+                param: Some(param.to_string()),
+            });
+        }
+        Ok(())
     }
 
     /// Tokenise, check against the context and convert the settings.

@@ -117,6 +117,15 @@ async fn handle(st: AppState, endpoint: Endpoint, body: Body) -> Response {
     }
 }
 
+/// Requests being tokenized at once: one per core.
+fn preparing() -> &'static tokio::sync::Semaphore {
+    static PREPARING: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
+    PREPARING.get_or_init(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        tokio::sync::Semaphore::new(cores)
+    })
+}
+
 async fn serve_request(st: AppState, endpoint: Endpoint, body: Body) -> Result<Response, ApiError> {
     let arrival = Instant::now();
     let bytes = axum::body::to_bytes(body, st.max_body_bytes)
@@ -145,7 +154,20 @@ async fn serve_request(st: AppState, endpoint: Endpoint, body: Body) -> Result<R
         model: served,
         logprobs: request.logprobs.is_some(),
     };
-    let mut choices = st.engine.submit_choices(request)?;
+    // Template rendering and tokenization are CPU work (up to tenths of a
+    // second for a prompt near the context's byte cap): off the async
+    // workers, so one large prompt does not stall other connections, and
+    // at most one per core at a time, so a burst of them cannot take
+    // every core from the model.
+    let permit = preparing()
+        .acquire()
+        .await
+        .map_err(|_| ApiError::unavailable("the server is shutting down"))?;
+    let engine = st.engine.clone();
+    let mut choices = tokio::task::spawn_blocking(move || engine.submit_choices(request))
+        .await
+        .map_err(|e| ApiError::internal(format!("request preparation failed: {e}")))??;
+    drop(permit);
     let mut tracker = Tracker::new(st.metrics.clone(), arrival);
     let Some(events) = choices.first_mut() else {
         return Err(ApiError::unavailable("the engine returned no choices"));

@@ -18,12 +18,20 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     use p10_quant::matrix::{set_panel_expansion, PanelExpansion};
-    for _ in 0..rounds {
+    let native = |how| {
+        set_panel_expansion(how);
+        p05_kv_cache::bench::prefill_speed(&q.engine, n)
+    };
+    for round in 0..rounds {
         let a = p05_kv_cache::bench::prefill_speed(&f.engine, n)?;
-        set_panel_expansion(PanelExpansion::InLoop);
-        let b = p05_kv_cache::bench::prefill_speed(&q.engine, n)?;
-        set_panel_expansion(PanelExpansion::Prepacked);
-        let c = p05_kv_cache::bench::prefill_speed(&q.engine, n)?;
+        // The two native paths take turns going first.
+        let (b, c) = if round % 2 == 0 {
+            let b = native(PanelExpansion::InLoop)?;
+            (b, native(PanelExpansion::Prepacked)?)
+        } else {
+            let c = native(PanelExpansion::Prepacked)?;
+            (native(PanelExpansion::InLoop)?, c)
+        };
         set_panel_expansion(PanelExpansion::InLoop);
         println!(
             "prefill {n}: f32 {a:.0} tok/s, native in-loop {b:.0} ({:.2}x), native prepacked {c:.0} ({:.2}x)",

@@ -35,7 +35,7 @@ fn hsum(v: __m256) -> f32 {
 fn nibbles(qs: &[u8; 16]) -> __m256i {
     // SAFETY: `qs` is 16 readable bytes; the load is unaligned.
     let b = unsafe { _mm_loadu_si128(qs.as_ptr().cast()) };
-    // (b >> 4 | b) then one mask over all 32 bytes: 4 instructions, not 5.
+    // [b >> 4 : b] in one register, then one 256-bit mask: 4 instructions, not 5.
     let both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
     _mm256_and_si256(both, _mm256_set1_epi8(0x0f))
 }
