@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use common::numbers::{Recorder, Row};
 use common::plot::{line_chart, Labels, Scale, Series};
-use common::stats::{summarize, time_it, BenchConfig};
+use common::stats::{summarize, time_it, BenchConfig, Summary};
 use common::Model;
 
 use crate::llama_engine::LlamaEngine;
@@ -59,6 +59,25 @@ pub fn speeds(engine: &LlamaEngine) -> Result<(f64, f64)> {
         dec.push(128.0 / t.elapsed().as_secs_f64());
     }
     Ok((summarize(&pre).median, summarize(&dec).median))
+}
+
+/// Decode of 128 tokens after a 16-token prompt, `runs` times: (median
+/// over runs of tok/s, the summary of every step's seconds, so a timing
+/// row can give the median and the p95 of a token's latency).
+pub fn decode_profile(engine: &LlamaEngine, runs: usize) -> Result<(f64, Summary)> {
+    let (mut rates, mut steps) = (Vec::new(), Vec::new());
+    for _ in 0..runs {
+        let (mut logits, mut cache) = engine.prefill(&ids(16), 16 + 129)?;
+        let t = Instant::now();
+        for _ in 0..128 {
+            let s = Instant::now();
+            let next = argmax(&logits);
+            engine.decode(next, &mut cache, &mut logits)?;
+            steps.push(s.elapsed().as_secs_f64());
+        }
+        rates.push(128.0 / t.elapsed().as_secs_f64());
+    }
+    Ok((summarize(&rates).median, summarize(&steps)))
 }
 
 /// Median prefill tok/s of `n` tokens over 3 runs.

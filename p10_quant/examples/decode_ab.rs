@@ -10,7 +10,7 @@ fn main() -> anyhow::Result<()> {
     for _ in 0..rounds {
         for (on, out) in [(false, &mut single), (true, &mut fused)] {
             p10_quant::matrix::set_fused_groups(on);
-            let (_, decode) = p05_kv_cache::bench::speeds(&loaded.engine)?;
+            let (decode, _) = p05_kv_cache::bench::decode_profile(&loaded.engine, 3)?;
             out.push(decode);
         }
         println!(

@@ -227,14 +227,26 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     // 2. Speeds, f32 vs native vs llama.cpp.
     let bytes_nat = bytes_per_token(ne) as f64;
     let bytes_f32 = bytes_per_token(fe) as f64;
-    let (_, dec_f) = p05_kv_cache::bench::speeds(fe)?;
-    let (_, dec_n) = p05_kv_cache::bench::speeds(ne)?;
+    let (dec_f, step_f) = p05_kv_cache::bench::decode_profile(fe, 3)?;
+    let (dec_n, step_n) = p05_kv_cache::bench::decode_profile(ne, 3)?;
     // Prefill in interleaved pairs: one prefill cell moves 10–30% between
     // runs on this VM, more than the difference being measured.
     let (pre_f, pre_n, pre_ratio) = prefill_pairs(fe, ne, 256, 7)?;
     let (pre1k_f, pre1k_n, pre1k_ratio) = prefill_pairs(fe, ne, 1024, 3)?;
     println!("2. decode tok/s: f32 {dec_f:.1}, native {dec_n:.1}; prefill 256: f32 {pre_f:.0}, native {pre_n:.0} (median native/f32 of 7 interleaved pairs {pre_ratio:.2}); prefill 1024: f32 {pre1k_f:.0}, native {pre1k_n:.0} (of 3 pairs {pre1k_ratio:.2})");
+    println!(
+        "   decode step (3 x 128 steps): f32 median {:.2} ms, p95 {:.2} ms; native median {:.2} ms, p95 {:.2} ms",
+        step_f.median * 1e3,
+        step_f.p95 * 1e3,
+        step_n.median * 1e3,
+        step_n.p95 * 1e3
+    );
     rows.push(Row::new("p10 decode f32, 128 after 16", dec_f, "tok/s"));
+    for (path, st) in [("f32", &step_f), ("native", &step_n)] {
+        let metric = format!("p10 decode step {path}, 3 x 128 after 16");
+        rows.push(Row::new(format!("{metric}, median"), st.median * 1e3, "ms"));
+        rows.push(Row::new(format!("{metric}, p95"), st.p95 * 1e3, "ms"));
+    }
     rows.push(
         Row::new("p10 decode native, 128 after 16", dec_n, "tok/s").predicted(format!(
             "~{:.1}x f32 (bytes {:.0} vs {:.0} MB)",
