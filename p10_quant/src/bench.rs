@@ -408,8 +408,8 @@ fn p02_read_bandwidth(threads: usize) -> f64 {
     p02_matmul_bench::ceilings::read_bandwidth(256 << 20, threads)
 }
 
-/// Prefill tok/s of `n` tokens, f32 and native alternately for `pairs`
-/// rounds (each a median of 3, p05's `prefill_speed`): (median f32,
+/// Prefill tok/s of `n` tokens, f32 and native alternately (each going
+/// first in turn) for `pairs` rounds (each a median of 3, p05's `prefill_speed`): (median f32,
 /// median native, median of the per-pair ratios native / f32).
 fn prefill_pairs(
     fe: &LlamaEngine,
@@ -418,9 +418,15 @@ fn prefill_pairs(
     pairs: usize,
 ) -> Result<(f64, f64, f64)> {
     let (mut f, mut q, mut r) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..pairs {
-        let a = p05_kv_cache::bench::prefill_speed(fe, n)?;
-        let b = p05_kv_cache::bench::prefill_speed(ne, n)?;
+    for pair in 0..pairs {
+        // The two paths take turns going first.
+        let (a, b) = if pair % 2 == 0 {
+            let a = p05_kv_cache::bench::prefill_speed(fe, n)?;
+            (a, p05_kv_cache::bench::prefill_speed(ne, n)?)
+        } else {
+            let b = p05_kv_cache::bench::prefill_speed(ne, n)?;
+            (p05_kv_cache::bench::prefill_speed(fe, n)?, b)
+        };
         f.push(a);
         q.push(b);
         r.push(b / a);
