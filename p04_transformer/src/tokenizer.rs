@@ -272,52 +272,33 @@ impl Tokenizer {
         let byte_char = bytes_to_unicode();
         let byte_id = std::array::from_fn(|b| ids.get(&byte_char[b].to_string()).copied());
 
-        let char_byte: HashMap<char, u8> = byte_char
+        let char_byte = byte_char
             .iter()
             .enumerate()
             .map(|(b, &c)| (c, b as u8))
             .collect();
-        // What `decode_bytes` gives per token: a special its own text, any
-        // other token one byte per character of the byte map (a character
-        // outside it, its UTF-8).
-        let special_ids: std::collections::HashSet<usize> =
-            specials.iter().map(|&(_, id)| id as usize).collect();
-        let max_token_bytes = tokens
-            .iter()
-            .enumerate()
-            .map(|(id, t)| {
-                if special_ids.contains(&id) {
-                    t.len()
-                } else {
-                    t.chars()
-                        .map(|c| {
-                            if char_byte.contains_key(&c) {
-                                1
-                            } else {
-                                c.len_utf8()
-                            }
-                        })
-                        .sum()
-                }
-            })
-            .max()
-            .unwrap_or(1)
-            .max(1);
-        Ok(Tokenizer {
+        let mut tok = Tokenizer {
             tokens,
             ids,
             merges,
             specials,
             special_re,
             byte_id,
-            max_token_bytes,
+            max_token_bytes: 1,
             char_byte,
             pattern: Regex::new(GPT2_PATTERN).expect("constant pattern"),
             bos_id: bos.filter(|&v| v < n),
             eos_id: eos.filter(|&v| v < n),
             add_bos: false,
             chat_template: None,
-        })
+        };
+        // The longest `decode_bytes` of one token (at least 1).
+        tok.max_token_bytes = (0..n)
+            .map(|id| tok.decode_bytes(&[id]).len())
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        Ok(tok)
     }
 
     pub fn vocab_size(&self) -> usize {

@@ -364,18 +364,9 @@ impl QuantMatrix {
         let (n, k) = self.check_io(x, m, y)?;
         let gemm = |e: p02_matmul_bench::GemmError| MatrixError::Gemm(e.to_string());
         if how == PanelExpansion::InLoop {
-            let per = k / QK;
             // W[j0..j0 + count, p0..p0 + kc]: p0 and kc are whole blocks.
             let produce = |j0: usize, count: usize, p0: usize, kc: usize, out: &mut [f32]| {
-                let (b0, nb) = (p0 / QK, kc / QK);
-                for (r, row) in out.chunks_exact_mut(kc).take(count).enumerate() {
-                    let first = (j0 + r) * per + b0;
-                    self.dot.expand(&self.blocks.slice(first..first + nb), row);
-                    if let Some(s) = &self.row_scale {
-                        let s = s[j0 + r];
-                        row.iter_mut().for_each(|v| *v *= s);
-                    }
-                }
+                self.expand_rows(j0, count, p0 / QK, kc, out)
             };
             return p02_matmul_bench::sgemm_weight_rows(
                 p02_matmul_bench::MatRef::row_major(x, m, k).map_err(gemm)?,
@@ -390,18 +381,11 @@ impl QuantMatrix {
             )
             .map_err(gemm);
         }
-        let per = k / QK;
         // Each weight row expanded once, straight into p02's packed panels.
         let buf = PACKED.with(|b| b.take());
         let packed =
             p02_matmul_bench::PackedB::from_weight_rows_in(buf, n, k, threads, |j0, count, buf| {
-                let blocks = self.blocks.slice(j0 * per..(j0 + count) * per);
-                self.dot.expand(&blocks, buf);
-                if let Some(s) = &self.row_scale {
-                    for (row, s) in buf.chunks_exact_mut(k).zip(&s[j0..j0 + count]) {
-                        row.iter_mut().for_each(|v| *v *= s);
-                    }
-                }
+                self.expand_rows(j0, count, 0, k, buf)
             });
         let r = p02_matmul_bench::sgemm_prepacked(
             p02_matmul_bench::MatRef::row_major(x, m, k).map_err(gemm)?,
@@ -414,6 +398,21 @@ impl QuantMatrix {
         );
         PACKED.with(|b| b.replace(packed.into_buf()));
         r.map_err(gemm)
+    }
+
+    /// W[j0..j0 + count, 32·b0..32·b0 + kc] in f32 into `out` (count rows of
+    /// kc, row-major): the blocks expanded, then int8-per-channel rows
+    /// scaled. Both prefill expansions produce their rows through this.
+    fn expand_rows(&self, j0: usize, count: usize, b0: usize, kc: usize, out: &mut [f32]) {
+        let (per, nb) = (self.cols / QK, kc / QK);
+        for (r, row) in out.chunks_exact_mut(kc).take(count).enumerate() {
+            let first = (j0 + r) * per + b0;
+            self.dot.expand(&self.blocks.slice(first..first + nb), row);
+            if let Some(s) = &self.row_scale {
+                let s = s[j0 + r];
+                row.iter_mut().for_each(|v| *v *= s);
+            }
+        }
     }
 
     /// (n, k) once x is (m, k) and y is (m, n).
