@@ -289,8 +289,10 @@ impl PackedB {
     }
 }
 
-/// C = alpha * A * B + beta * C through packing and `kernel`, on up to
-/// `threads` threads. Shapes must already agree (see [`sgemm`]).
+/// C = alpha * A * B + beta * C through packing and `kernel` (never the
+/// GEMV path), on up to `threads` threads: the packed path alone, for
+/// comparisons. Shapes are checked as in [`sgemm`]; a kernel this CPU cannot
+/// run is replaced by the best one it can.
 pub fn gemm_packed(
     alpha: f32,
     a: MatRef,
@@ -299,8 +301,15 @@ pub fn gemm_packed(
     c: &mut MatMut,
     kernel: MicroKernel,
     threads: usize,
-) {
+) -> Result<(), GemmError> {
+    check_args(&a, (b.rows, b.cols), c, None)?;
+    let kernel = if kernel.supported() {
+        kernel
+    } else {
+        MicroKernel::best()
+    };
     gemm_dispatch(alpha, &a, BSrc::Pack(&b), b.cols, beta, c, kernel, threads);
+    Ok(())
 }
 
 /// Split C into one region per thread, each computed by [`gemm_part`] on its
@@ -543,8 +552,13 @@ unsafe fn macro_kernel(
     beta: f32,
 ) {
     let (mr, nr) = (kernel.mr, kernel.nr);
-    let mut tmp = [0.0f32; 8 * 32]; // edge tiles (mr*nr <= 256)
-    debug_assert!(mr * nr <= tmp.len());
+    // Edge tiles: every kernel's mr * nr fits (checked at compile time in
+    // kernels.rs, and here in release builds too: it guards raw writes).
+    let mut tmp = [0.0f32; crate::kernels::MAX_TILE];
+    assert!(
+        mr * nr <= tmp.len(),
+        "register tile {mr}x{nr} exceeds the edge buffer"
+    );
     for (s, bp) in b_slivers.chunks_exact(kc * nr).enumerate() {
         let j = j_first + s * nr;
         let cols = nr.min(j_end - j);
@@ -679,15 +693,10 @@ pub fn sgemm_with(
     kernel: MicroKernel,
 ) -> Result<(), GemmError> {
     check_args(&a, (b.rows, b.cols), c, opts.bias)?;
-    let kernel = if kernel.supported() {
-        kernel
-    } else {
-        MicroKernel::best()
-    };
     if a.rows == 1 && gemv::handles(&b) {
-        gemv::gemv(opts.alpha, a, b, opts.beta, c, opts.threads);
+        gemv::gemv(opts.alpha, a, b, opts.beta, c, opts.threads)?;
     } else {
-        gemm_packed(opts.alpha, a, b, opts.beta, c, kernel, opts.threads);
+        gemm_packed(opts.alpha, a, b, opts.beta, c, kernel, opts.threads)?;
     }
     add_bias(c, opts.bias);
     Ok(())

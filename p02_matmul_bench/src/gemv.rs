@@ -11,8 +11,10 @@
 
 use rayon::prelude::*;
 
+use crate::kernels::MicroKernel;
 use crate::mat::{MatMut, MatRef};
 use crate::variants::dot;
+use crate::GemmError;
 
 /// Bytes of B below which one thread does it all. Waking a pool thread costs
 /// tens of us on this VM; measured: 1.3 MB (q_proj) took 24 us on one thread
@@ -24,11 +26,35 @@ pub fn handles(b: &MatRef) -> bool {
     b.rs == 1 || b.cs == 1
 }
 
-/// y = alpha * x B + beta * y for one row x. `b` must satisfy [`handles`].
-pub fn gemv(alpha: f32, x: MatRef, b: MatRef, beta: f32, y: &mut MatMut, threads: usize) {
+/// y = alpha * x B + beta * y for one row x (1, K), B (K, N), y (1, N).
+/// Shapes are checked (an error, as in [`crate::sgemm`]); a B that
+/// [`handles`] refuses is computed by the packed path instead.
+pub fn gemv(
+    alpha: f32,
+    x: MatRef,
+    b: MatRef,
+    beta: f32,
+    y: &mut MatMut,
+    threads: usize,
+) -> Result<(), GemmError> {
     let (k, n) = (b.rows, b.cols);
-    if n == 0 {
-        return;
+    if x.rows != 1 {
+        return Err(GemmError::Shape {
+            a: (x.rows, x.cols),
+            b: (k, n),
+            c: (y.rows, y.cols),
+        });
+    }
+    if !handles(&b) {
+        return crate::gemm::gemm_packed(alpha, x, b, beta, y, MicroKernel::best(), threads);
+    }
+    crate::gemm::check_args(&x, (k, n), y, None)?;
+    if n == 0 || k == 0 {
+        // An empty sum: y = beta * y (beta == 0 writes zeros, reads nothing).
+        for v in &mut y.data[..n] {
+            *v = if beta == 0.0 { 0.0 } else { beta * *v };
+        }
+        return Ok(());
     }
     let xs: Vec<f32>;
     let x: &[f32] = if x.cs == 1 {
@@ -60,6 +86,7 @@ pub fn gemv(alpha: f32, x: MatRef, b: MatRef, beta: f32, y: &mut MatMut, threads
     } else {
         run(0, y_row);
     }
+    Ok(())
 }
 
 fn finish(alpha: f32, acc: f32, beta: f32, y: &mut f32) {

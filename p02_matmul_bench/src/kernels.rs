@@ -17,36 +17,78 @@
 /// packed sliver has (1, MR); a row-major A read in place has (lda, 1).
 /// beta == 0 means C is write-only (never read, so NaN in C is ignored, as
 /// BLAS specifies).
-pub type KernelFn =
+pub(crate) type KernelFn =
     unsafe fn(usize, *const f32, usize, usize, *const f32, *mut f32, usize, f32, f32);
+
+/// The instruction set a kernel needs; the only way `supported` decides.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Isa {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2Fma,
+    #[cfg(target_arch = "x86_64")]
+    Avx512F,
+}
 
 /// A micro-kernel with its register-tile shape and the cache blocking that
 /// suits it. All block sizes live here, one place.
+///
+/// A closed set: the fields are private, so the only kernels are the
+/// constants below, each paired with the instruction set it needs. Safe
+/// code cannot hand the driver a function pointer of its own or a tile
+/// shape its buffers were not sized for:
+///
+/// ```compile_fail,E0616
+/// let mut k = p02_matmul_bench::MicroKernel::PORTABLE;
+/// k.mr = 64; // private: the driver's edge-tile buffer holds 8 x 32
+/// ```
+///
+/// ```compile_fail,E0451
+/// unsafe fn forged(_: usize, _: *const f32, _: usize, _: usize, _: *const f32,
+///                  _: *mut f32, _: usize, _: f32, _: f32) {}
+/// let k = p02_matmul_bench::MicroKernel { func: forged, ..p02_matmul_bench::MicroKernel::PORTABLE };
+/// ```
 #[derive(Clone, Copy, Debug)]
 pub struct MicroKernel {
-    pub name: &'static str,
+    name: &'static str,
+    isa: Isa,
     /// Rows of the register tile.
-    pub mr: usize,
+    pub(crate) mr: usize,
     /// Columns of the register tile.
-    pub nr: usize,
+    pub(crate) nr: usize,
     /// K block: a B sliver (kc x nr) plus an A sliver (mr x kc) fit in L1d
     /// (AVX2: 256 * (6 + 16) * 4 B = 22.5 KB of 32 KB).
-    pub kc: usize,
+    pub(crate) kc: usize,
     /// M block: a packed A block (mc x kc) fills about half of L2
     /// (AVX2: 144 * 256 * 4 B = 147 KB of 512 KB, leaving room for B slivers and C).
-    pub mc: usize,
+    pub(crate) mc: usize,
     /// N block: a packed B panel (kc x nc) lives in L3 (4096 * 256 * 4 B = 4 MB).
-    pub nc: usize,
-    pub func: KernelFn,
+    pub(crate) nc: usize,
+    pub(crate) func: KernelFn,
     /// The same kernel for a single row of A (1 x nr): M = 1 (decode) would
     /// otherwise pay for mr rows of FMAs to produce one.
-    pub func1: KernelFn,
+    pub(crate) func1: KernelFn,
 }
+
+/// The largest register tile any kernel has (mr * nr): the driver's
+/// edge-tile buffer is this big, and every kernel is checked against it
+/// when the crate compiles.
+pub(crate) const MAX_TILE: usize = 8 * 32;
+
+const _: () = {
+    assert!(MicroKernel::PORTABLE.mr * MicroKernel::PORTABLE.nr <= MAX_TILE);
+    assert!(MicroKernel::PORTABLE_8X32.mr * MicroKernel::PORTABLE_8X32.nr <= MAX_TILE);
+    #[cfg(target_arch = "x86_64")]
+    assert!(MicroKernel::AVX2.mr * MicroKernel::AVX2.nr <= MAX_TILE);
+    #[cfg(target_arch = "x86_64")]
+    assert!(MicroKernel::AVX512.mr * MicroKernel::AVX512.nr <= MAX_TILE);
+};
 
 impl MicroKernel {
     /// Plain Rust, 6 x 16.
     pub const PORTABLE: MicroKernel = MicroKernel {
         name: "portable 6x16",
+        isa: Isa::Portable,
         mr: 6,
         nr: 16,
         kc: 256,
@@ -58,6 +100,7 @@ impl MicroKernel {
     /// Plain Rust at the AVX-512 geometry, 8 x 32 (tests the packing for it).
     pub const PORTABLE_8X32: MicroKernel = MicroKernel {
         name: "portable 8x32",
+        isa: Isa::Portable,
         mr: 8,
         nr: 32,
         kc: 256,
@@ -69,6 +112,7 @@ impl MicroKernel {
     #[cfg(target_arch = "x86_64")]
     pub const AVX2: MicroKernel = MicroKernel {
         name: "avx2+fma 6x16",
+        isa: Isa::Avx2Fma,
         mr: 6,
         nr: 16,
         kc: 256,
@@ -82,6 +126,7 @@ impl MicroKernel {
     #[cfg(target_arch = "x86_64")]
     pub const AVX512: MicroKernel = MicroKernel {
         name: "avx512f 8x32",
+        isa: Isa::Avx512F,
         mr: 8,
         nr: 32,
         kc: 256,
@@ -93,16 +138,33 @@ impl MicroKernel {
 
     /// Whether this CPU can run the kernel.
     pub fn supported(&self) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if self.name == Self::AVX2.name {
-                return is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
-            }
-            if self.name == Self::AVX512.name {
-                return is_x86_feature_detected!("avx512f");
-            }
+        match self.isa {
+            Isa::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2Fma => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512F => is_x86_feature_detected!("avx512f"),
         }
-        true
+    }
+
+    /// Its name, e.g. "avx2+fma 6x16" (what numbers.md's machine column shows).
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// Register tile rows.
+    pub fn mr(&self) -> usize {
+        self.mr
+    }
+
+    /// Register tile columns.
+    pub fn nr(&self) -> usize {
+        self.nr
+    }
+
+    /// (kc, mc, nc): the K, M and N cache blocks.
+    pub fn blocking(&self) -> (usize, usize, usize) {
+        (self.kc, self.mc, self.nc)
     }
 
     /// Every kernel this CPU can run, fastest first.

@@ -6,9 +6,17 @@ use crate::mat::MatRef;
 
 /// Pack A[i0..i0+mc, p0..p0+kc] into ceil(mc/mr) slivers, each (kc, mr):
 /// out[(s*kc + p)*mr + r] = A[i0 + s*mr + r, p0 + p], zero past row mc.
-pub fn pack_a(a: &MatRef, i0: usize, mc: usize, p0: usize, kc: usize, mr: usize, out: &mut [f32]) {
+pub(crate) fn pack_a(
+    a: &MatRef,
+    i0: usize,
+    mc: usize,
+    p0: usize,
+    kc: usize,
+    mr: usize,
+    out: &mut [f32],
+) {
     let slivers = mc.div_ceil(mr);
-    debug_assert!(out.len() >= slivers * kc * mr);
+    assert!(out.len() >= slivers * kc * mr, "pack_a: buffer too small");
     for s in 0..slivers {
         let dst = &mut out[s * kc * mr..(s + 1) * kc * mr];
         let rows = mr.min(mc - s * mr);
@@ -49,7 +57,7 @@ pub fn pack_a(a: &MatRef, i0: usize, mc: usize, p0: usize, kc: usize, mr: usize,
 /// out[(s*kc + p)*nr + j] = B[p0 + p, j0 + s*nr + j], zero past column nc.
 /// `slivers` selects which slivers to write (for parallel packing).
 #[allow(clippy::too_many_arguments)]
-pub fn pack_b(
+pub(crate) fn pack_b(
     b: &MatRef,
     p0: usize,
     kc: usize,

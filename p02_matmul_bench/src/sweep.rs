@@ -129,6 +129,7 @@ fn square_sweep(sizes: &[usize], threads: usize) -> Vec<Point> {
                 kernel,
                 1,
             )
+            .expect("shapes chain")
         });
         run(&format!("packed {threads}t (sgemm)"), &mut |c| {
             sgemm(
@@ -199,7 +200,12 @@ pub fn run(args: &SweepArgs) -> Result<()> {
     let kernel = MicroKernel::best();
     println!(
         "micro-kernel: {} (mr {} nr {} kc {} mc {} nc {})",
-        kernel.name, kernel.mr, kernel.nr, kernel.kc, kernel.mc, kernel.nc
+        kernel.name(),
+        kernel.mr,
+        kernel.nr,
+        kernel.kc,
+        kernel.mc,
+        kernel.nc
     );
 
     // 1. Ceilings.

@@ -65,20 +65,20 @@ const SHAPES: &[(usize, usize, usize)] = &[
 ];
 
 fn check(what: &str, got: &MatMut, expected: &[f32], scale: &[f64], k: usize) {
-    for i in 0..got.rows {
-        for j in 0..got.cols {
-            let g = got.data[i * got.ld + j];
-            let e = expected[i * got.ld + j];
-            let bound = error_bound(k, scale[i * got.cols + j]);
+    for i in 0..got.rows() {
+        for j in 0..got.cols() {
+            let g = got.as_slice()[i * got.ld() + j];
+            let e = expected[i * got.ld() + j];
+            let bound = error_bound(k, scale[i * got.cols() + j]);
             assert!(
                 (f64::from(g) - f64::from(e)).abs() <= bound,
                 "{what}: C[{i}, {j}] = {g}, reference {e}, bound {bound:e}"
             );
         }
         // Padding past the last column must be untouched.
-        for j in got.cols..got.ld {
+        for j in got.cols()..got.ld() {
             assert!(
-                got.data[i * got.ld + j] == 7.0,
+                got.as_slice()[i * got.ld() + j] == 7.0,
                 "{what}: padding C[{i}, {j}] was written"
             );
         }
@@ -134,7 +134,9 @@ fn variants_match_reference() {
 fn packed_kernels_and_threads_match_reference() {
     let kernels = MicroKernel::available();
     assert!(
-        kernels.iter().any(|k| k.name.starts_with("portable 8x32")),
+        kernels
+            .iter()
+            .any(|k| k.name().starts_with("portable 8x32")),
         "the AVX-512 geometry must be tested"
     );
     let mut shapes = SHAPES.to_vec();
@@ -183,7 +185,7 @@ fn packed_kernels_and_threads_match_reference() {
                 );
                 for kern in &kernels {
                     for threads in [1, 2] {
-                        let what = format!("{} threads {threads} {m}x{n}x{k} {la:?}/{lb:?} alpha {alpha} beta {beta} bias {with_bias}", kern.name);
+                        let what = format!("{} threads {threads} {m}x{n}x{k} {la:?}/{lb:?} alpha {alpha} beta {beta} bias {with_bias}", kern.name());
                         let mut c = vec![0.0; m * (n + 2)];
                         init(&mut c);
                         let mut cm = MatMut::new(&mut c, m, n, n + 2).unwrap();
@@ -197,7 +199,7 @@ fn packed_kernels_and_threads_match_reference() {
                             sgemm_with(a, b, &mut cm, opts, *kern).unwrap();
                         } else {
                             // The packed driver directly (sgemm would take GEMV for m = 1).
-                            gemm_packed(alpha, a, b, beta, &mut cm, *kern, threads);
+                            gemm_packed(alpha, a, b, beta, &mut cm, *kern, threads).unwrap();
                         }
                         check(&what, &cm, &ref_c, &scale, k);
                     }
@@ -241,7 +243,7 @@ fn gemv_path_matches_reference_in_both_layouts() {
             for threads in [1, 2] {
                 let mut y = vec![f32::NAN; n];
                 let mut ym = MatMut::row_major(&mut y, 1, n).unwrap();
-                p02_matmul_bench::gemv::gemv(1.0, a, b, 0.0, &mut ym, threads);
+                p02_matmul_bench::gemv::gemv(1.0, a, b, 0.0, &mut ym, threads).unwrap();
                 check(
                     &format!("gemv n {n} k {k} transposed {transposed} threads {threads}"),
                     &ym,
@@ -300,6 +302,66 @@ fn bad_shapes_are_errors_not_panics() {
     p02_matmul_bench::linear(&a, 2, &a, 2, None, &mut y, 1).unwrap();
 }
 
+/// The lower-level safe entry points check shapes too: before, a mismatched
+/// C went straight to the raw-pointer driver (gemm_packed) or was sliced
+/// past its end (gemv).
+#[test]
+fn low_level_entry_points_check_shapes() {
+    use p02_matmul_bench::gemv::gemv;
+    let a = vec![1.0f32; 64];
+    let x = MatRef::row_major(&a, 1, 8).unwrap();
+    let w = MatRef::row_major(&a, 8, 8).unwrap(); // (K, N) = (8, 8)
+    let mut small = vec![0.0f32; 4];
+    // C has 4 columns, B 8: every entry point refuses, none writes.
+    for kern in MicroKernel::available() {
+        let mut cm = MatMut::row_major(&mut small, 1, 4).unwrap();
+        assert!(matches!(
+            gemm_packed(1.0, x, w, 0.0, &mut cm, kern, 2),
+            Err(GemmError::Shape { .. })
+        ));
+    }
+    let mut cm = MatMut::row_major(&mut small, 1, 4).unwrap();
+    assert!(matches!(
+        gemv(1.0, x, w, 0.0, &mut cm, 1),
+        Err(GemmError::Shape { .. })
+    ));
+    // Two rows of x are not a GEMV.
+    let x2 = MatRef::row_major(&a, 2, 8).unwrap();
+    let mut c = vec![0.0f32; 16];
+    let mut cm = MatMut::row_major(&mut c, 2, 8).unwrap();
+    assert!(matches!(
+        gemv(1.0, x2, w, 0.0, &mut cm, 1),
+        Err(GemmError::Shape { .. })
+    ));
+    assert_eq!(small, vec![0.0; 4], "nothing was written");
+    // K = 0 is an empty sum: C = beta * C, for both.
+    let empty: [f32; 0] = [];
+    let x0 = MatRef::row_major(&empty, 1, 0).unwrap();
+    let w0 = MatRef::row_major(&empty, 0, 4).unwrap();
+    let mut y = vec![3.0f32; 4];
+    gemv(
+        1.0,
+        x0,
+        w0,
+        0.5,
+        &mut MatMut::row_major(&mut y, 1, 4).unwrap(),
+        1,
+    )
+    .unwrap();
+    assert_eq!(y, vec![1.5; 4]);
+    gemm_packed(
+        1.0,
+        x0,
+        w0,
+        0.0,
+        &mut MatMut::row_major(&mut y, 1, 4).unwrap(),
+        MicroKernel::PORTABLE,
+        1,
+    )
+    .unwrap();
+    assert_eq!(y, vec![0.0; 4]);
+}
+
 #[test]
 fn prepacked_b_matches_reference() {
     use p02_matmul_bench::{sgemm_prepacked, PackedB};
@@ -351,7 +413,7 @@ fn prepacked_b_matches_reference() {
                 )
                 .unwrap();
                 check(
-                    &format!("prepacked {} threads {threads} {m}x{n}x{k}", kern.name),
+                    &format!("prepacked {} threads {threads} {m}x{n}x{k}", kern.name()),
                     &cm,
                     &ref_c,
                     &scale,
@@ -530,7 +592,7 @@ fn weight_rows_in_the_loop_match_reference() {
                 k,
             );
             // Each weight once when the columns split (or one thread).
-            let split = threads == 1 || n >= threads * MicroKernel::best().nr;
+            let split = threads == 1 || n >= threads * MicroKernel::best().nr();
             if split {
                 assert_eq!(asked.load(Ordering::Relaxed), n * k, "{m}x{n}x{k}");
             }
