@@ -83,7 +83,9 @@ pub struct LoadConfig {
 pub enum LoadError {
     #[error("no requests to send")]
     Empty,
-    #[error("concurrency and rate must be positive")]
+    #[error(
+        "concurrency must be positive, max_concurrency 1..=2^61 and rate at least 1e-6 requests/s"
+    )]
     BadArrival,
     #[error("warm-up request failed: {0}")]
     Warmup(String),
@@ -225,6 +227,12 @@ pub async fn run(
             return Err(LoadError::Warmup(rec.error));
         }
     }
+    if cfg
+        .max_concurrency
+        .is_some_and(|c| c == 0 || c > Semaphore::MAX_PERMITS)
+    {
+        return Err(LoadError::BadArrival);
+    }
     let start = Instant::now();
     let records = match cfg.arrival {
         Arrival::Closed { concurrency } => {
@@ -234,7 +242,9 @@ pub async fn run(
             closed_loop(&http, cfg, requests, concurrency, start).await
         }
         Arrival::Poisson { rate, seed } => {
-            if rate.is_nan() || rate <= 0.0 {
+            // Below one request per 11 days the exponential gaps overflow
+            // what a timer can be set to.
+            if rate.is_nan() || rate < 1e-6 {
                 return Err(LoadError::BadArrival);
             }
             open_loop(&http, cfg, requests, rate, seed, start).await

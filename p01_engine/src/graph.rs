@@ -168,9 +168,12 @@ pub fn compile(
             g.nodes.len()
         )));
     }
-    if g.input.shape.len() > MAX_RANK || numel(&g.input.shape).is_none() {
+    if g.input.shape.len() > MAX_RANK
+        || numel(&g.input.shape).is_none()
+        || g.input.shape.contains(&0)
+    {
         return Err(graph_err(format!(
-            "input `{}` shape {:?}: rank must be <= {MAX_RANK} and at most {MAX_EXAMPLE_NUMEL} elements",
+            "input `{}` shape {:?}: rank must be <= {MAX_RANK}, every dimension >= 1 and at most {MAX_EXAMPLE_NUMEL} elements",
             g.input.name, g.input.shape
         )));
     }
@@ -364,6 +367,10 @@ impl NodeCtx<'_> {
                 let in_f = need_width()?;
                 let w = self.tensor("weight", &[None, Some(in_f)], used)?;
                 let out_f = w.shape()[0];
+                if out_f == 0 {
+                    // A zero-width output would reach ops that split rows by width.
+                    return Err(self.err("weight has 0 output features".to_string()));
+                }
                 let b = match self.param_str("bias")? {
                     Some(_) => Some(self.tensor("bias", &[Some(out_f)], used)?.data()),
                     None => None,

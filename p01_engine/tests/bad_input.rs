@@ -97,6 +97,10 @@ fn shapes_that_do_not_chain_name_expected_and_found() {
     // The input declared 783 wide.
     let e = load_err("width", |g| g["input"]["shape"] = json!([783]));
     assert_mentions(&e, &["node 0", "[256, 784]", "expected [_, 783]"]);
+    // A zero-sized input dimension (would reach a linear with 0 inputs and
+    // ops that split rows by width): refused at load.
+    let e = load_err("zero", |g| g["input"]["shape"] = json!([0, 784]));
+    assert_mentions(&e, &["every dimension >= 1"]);
     // A bias of the wrong length.
     let e = load_err("bias", |g| {
         g["nodes"][0]["params"]["bias"] = json!("fc2.bias")

@@ -31,6 +31,8 @@ pub enum ModelError {
     TokenId { id: u32, pos: usize, vocab: usize },
     #[error("sequence of {len} tokens exceeds the model's context of {ctx}")]
     Context { len: usize, ctx: usize },
+    #[error("{what} needs at least one token, and was given none")]
+    EmptyInput { what: &'static str },
     #[error("input has {len} ids, not batch {batch} x seq {seq}")]
     Input {
         len: usize,

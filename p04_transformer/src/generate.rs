@@ -31,11 +31,14 @@ pub fn greedy(
     mut on_token: impl FnMut(u32),
 ) -> Result<(Vec<u32>, GenStats), ModelError> {
     let ctx = model.context();
-    if prompt.len() + n > ctx {
-        return Err(ModelError::Context {
-            len: prompt.len() + n,
-            ctx,
+    if prompt.is_empty() {
+        return Err(ModelError::EmptyInput {
+            what: "greedy generation",
         });
+    }
+    let len = prompt.len().saturating_add(n);
+    if len > ctx {
+        return Err(ModelError::Context { len, ctx });
     }
     let t0 = Instant::now();
     let mut seq = prompt.to_vec();

@@ -92,14 +92,29 @@ impl Gpt2 {
             n_head: hf.usize("n_head")?,
             layer_norm_eps: hf.config["layer_norm_epsilon"].as_f64().unwrap_or(1e-5) as f32,
         };
-        if cfg.n_head == 0 || !cfg.n_embd.is_multiple_of(cfg.n_head) {
+        if cfg.n_head == 0 || cfg.n_embd == 0 || !cfg.n_embd.is_multiple_of(cfg.n_head) {
             return Err(ModelError::Config {
                 path: hf.config_path.clone(),
                 msg: format!(
-                    "n_embd {} is not a multiple of n_head {}",
+                    "n_embd {} is not a positive multiple of n_head {}",
                     cfg.n_embd, cfg.n_head
                 ),
             });
+        }
+        use crate::llama::limits;
+        for (what, v, lo, hi) in [
+            // 4 x n_embd (the MLP width) must stay under the width cap.
+            ("n_embd", cfg.n_embd, 1, limits::MAX_WIDTH / 4),
+            ("n_layer", cfg.n_layer, 0, limits::MAX_LAYERS),
+            ("vocab_size", cfg.vocab_size, 1, limits::MAX_VOCAB),
+            ("n_positions", cfg.n_positions, 1, limits::MAX_CONTEXT),
+        ] {
+            if !(lo..=hi).contains(&v) {
+                return Err(ModelError::Config {
+                    path: hf.config_path.clone(),
+                    msg: format!("{what} is {v}: expected {lo}..={hi}"),
+                });
+            }
         }
         if let Some(act) = hf.config["activation_function"].as_str() {
             if act != "gelu_new" && act != "gelu_pytorch_tanh" {

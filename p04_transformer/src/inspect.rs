@@ -83,6 +83,6 @@ pub fn summary(h: &GgufHeader) -> Result<String, GgufError> {
     }
     let n_layer = h.get_u64(&format!("{arch}.block_count")).unwrap_or(0) as usize;
     let d_model = h.get_u64(&format!("{arch}.embedding_length")).unwrap_or(0) as usize;
-    let _ = writeln!(s, "FLOPs per token (2 per multiply-add): weights {}; attention adds 4 x layers x width x position = {} at position 1024", 2 * matmul_params, 4 * n_layer * d_model * 1024);
+    let _ = writeln!(s, "FLOPs per token (2 per multiply-add): weights {}; attention adds 4 x layers x width x position = {} at position 1024", 2u128 * matmul_params as u128, 4u128 * n_layer as u128 * d_model as u128 * 1024);
     Ok(s)
 }

@@ -354,7 +354,44 @@ fn validate(c: &LlamaConfig, path: &Path) -> Result<(), ModelError> {
             c.head_dim
         )));
     }
+    // Sizes a hostile file could make overflow or allocate without bound
+    // (the block list, RoPE's (context, head_dim/2) tables) are capped
+    // before anything is allocated; the tensors' own shapes are checked as
+    // they are read.
+    let widths = [
+        ("hidden_size", Some(c.hidden_size)),
+        ("intermediate_size", Some(c.intermediate_size)),
+        ("n_head x head_dim", c.n_head.checked_mul(c.head_dim)),
+        ("n_kv_head x head_dim", c.n_kv_head.checked_mul(c.head_dim)),
+    ];
+    for (what, w) in widths {
+        if w.is_none_or(|w| w > limits::MAX_WIDTH) {
+            return Err(bad(format!(
+                "{what} is {w:?}: expected 1..={}",
+                limits::MAX_WIDTH
+            )));
+        }
+    }
+    for (what, v, max) in [
+        ("block_count", c.n_layer, limits::MAX_LAYERS),
+        ("vocab_size", c.vocab_size, limits::MAX_VOCAB),
+        ("context_length", c.max_seq, limits::MAX_CONTEXT),
+    ] {
+        if v > max {
+            return Err(bad(format!("{what} is {v}: expected at most {max}")));
+        }
+    }
     Ok(())
+}
+
+/// Caps on a model file's hyper-parameters: a hundred times the largest
+/// open models (405B: 126 layers, width 53,248, vocab 256K, context 128K),
+/// far below what would overflow a product of two of them.
+pub mod limits {
+    pub const MAX_LAYERS: usize = 1 << 12;
+    pub const MAX_WIDTH: usize = 1 << 22;
+    pub const MAX_VOCAB: usize = 1 << 24;
+    pub const MAX_CONTEXT: usize = 1 << 24;
 }
 
 /// Ids must be in the vocabulary and the sequence within the context.

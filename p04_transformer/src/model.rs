@@ -89,7 +89,11 @@ impl Model {
 /// Index of the largest logit in the last position of a (1, seq, vocab) output.
 pub fn argmax_last(logits: &Tensor) -> u32 {
     let v = *logits.shape().last().unwrap_or(&1);
-    let last = &logits.data()[logits.numel() - v..];
+    // An empty output (no positions) has no last row: token 0, never a panic.
+    let last = &logits.data()[logits.numel().saturating_sub(v)..];
+    if last.is_empty() {
+        return 0;
+    }
     let mut best = 0;
     for (i, &x) in last.iter().enumerate() {
         if x > last[best] {

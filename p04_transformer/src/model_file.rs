@@ -36,9 +36,14 @@ impl GgufFile {
         })
     }
 
-    /// The raw bytes of a tensor (inside the file: checked at parse).
+    /// The raw bytes of a tensor (inside the file: checked at parse). An
+    /// info from another file whose range lies outside this one gives an
+    /// empty slice, which every format's length check then refuses.
     pub fn tensor_bytes(&self, info: &TensorInfo) -> &[u8] {
-        &self.map[info.start..info.start + info.n_bytes]
+        info.start
+            .checked_add(info.n_bytes)
+            .and_then(|end| self.map.get(info.start..end))
+            .unwrap_or(&[])
     }
 
     /// Tensor `name` dequantised to f32, shape row-major (ggml dims reversed).

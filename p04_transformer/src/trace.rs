@@ -25,7 +25,7 @@ pub fn shapes(model: &Model, seq: usize) -> String {
                 c.hidden_size
             );
             let _ = writeln!(s, "  q = h Wq^T        (batch=1, seq={seq}, n_head={}, head_dim={})  + RoPE on (pos, head_dim/2 pairs)", c.n_head, c.head_dim);
-            let _ = writeln!(s, "  k, v              (batch=1, seq={seq}, n_kv_head={}, head_dim={})  each KV head serves {} query heads", c.n_kv_head, c.head_dim, c.n_head / c.n_kv_head);
+            let _ = writeln!(s, "  k, v              (batch=1, seq={seq}, n_kv_head={}, head_dim={})  each KV head serves {} query heads", c.n_kv_head, c.head_dim, c.n_head.checked_div(c.n_kv_head).unwrap_or(0));
             let _ = writeln!(s, "  scores = q k^T    (batch=1, n_head={}, seq_q={seq}, seq_k={seq})  / sqrt({}), key j > query i masked to -inf", c.n_head, c.head_dim);
             let _ = writeln!(
                 s,
@@ -51,7 +51,7 @@ pub fn shapes(model: &Model, seq: usize) -> String {
         }
         Model::Gpt2(m) => {
             let c = &m.cfg;
-            let hd = c.n_embd / c.n_head;
+            let hd = c.n_embd.checked_div(c.n_head).unwrap_or(0);
             let _ = writeln!(s, "ids                 (batch=1, seq={seq})");
             let _ = writeln!(
                 s,
@@ -84,7 +84,11 @@ pub fn shapes(model: &Model, seq: usize) -> String {
 /// last token changes, |change| of the last position when the first changes).
 pub fn causality(model: &Model, ids: &[u32]) -> Result<(f32, f32), ModelError> {
     let t = ids.len();
+    if t == 0 {
+        return Err(ModelError::EmptyInput { what: "causality" });
+    }
     let v = model.vocab_size();
+    // Checks every id against the vocabulary, so `id + 1` below cannot overflow.
     let base = model.forward(ids, 1, t)?;
     let mut last_changed = ids.to_vec();
     last_changed[t - 1] = (ids[t - 1] + 1) % v as u32;

@@ -5,7 +5,7 @@
 
 use common::compare::check_close;
 use common::st;
-use p04_transformer::{GgufFile, Llama};
+use p04_transformer::{GgufFile, Llama, ModelError};
 
 fn ids_u32(v: &[i64]) -> Vec<u32> {
     v.iter()
@@ -172,4 +172,89 @@ fn mis_shaped_tensor_and_unknown_architecture_are_named() {
         .to_string();
     assert!(e.contains("`mamba`") && e.contains("llama, gpt2"), "{e}");
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Hyper-parameters that would overflow a product or allocate without
+/// bound (block list, RoPE tables) are refused by name before any
+/// allocation; before, a huge `max_position_embeddings` reached
+/// `vec![0; seq * half]` and a GPT-2 `n_embd` of 0 passed the loader and
+/// panicked in `chunks_exact(0)` at the first forward.
+#[test]
+fn hostile_hyper_parameters_are_config_errors() {
+    let cases: [(&str, &str, serde_json::Value, &str); 6] = [
+        (
+            "tiny_llama",
+            "max_position_embeddings",
+            serde_json::json!(1u64 << 40),
+            "context_length",
+        ),
+        (
+            "tiny_llama",
+            "num_hidden_layers",
+            serde_json::json!(1u64 << 50),
+            "block_count",
+        ),
+        (
+            "tiny_llama",
+            "head_dim",
+            serde_json::json!(1u64 << 62),
+            "n_head x head_dim",
+        ),
+        (
+            "tiny_llama",
+            "intermediate_size",
+            serde_json::json!(1u64 << 40),
+            "intermediate_size",
+        ),
+        ("tiny_gpt2", "n_embd", serde_json::json!(0), "n_embd"),
+        (
+            "tiny_gpt2",
+            "n_layer",
+            serde_json::json!(1u64 << 50),
+            "n_layer",
+        ),
+    ];
+    for (i, (fixture, key, value, named)) in cases.into_iter().enumerate() {
+        let src = p04_transformer::fixtures_dir().join(fixture);
+        let dir = std::env::temp_dir().join(format!("p04-hostile-{}-{i}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+        let mut cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap())
+                .unwrap();
+        cfg[key] = value;
+        std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+        let e = p04_transformer::model::Model::load(&dir).unwrap_err();
+        assert!(
+            matches!(e, ModelError::Config { .. }) && e.to_string().contains(named),
+            "{fixture} {key}: {e}"
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
+
+/// The public entry points refuse an empty input with a typed error (they
+/// underflowed `t - 1` or `numel - vocab` before).
+#[test]
+fn empty_inputs_are_errors_not_panics() {
+    let model =
+        p04_transformer::model::Model::load(&p04_transformer::fixtures_dir().join("tiny_llama"))
+            .unwrap()
+            .model;
+    assert!(matches!(
+        p04_transformer::trace::causality(&model, &[]),
+        Err(ModelError::EmptyInput { .. })
+    ));
+    assert!(p04_transformer::trace::causality(&model, &[3]).is_ok());
+    assert!(matches!(
+        p04_transformer::generate::greedy(&model, &[], 3, None, |_| {}),
+        Err(ModelError::EmptyInput { .. })
+    ));
+    assert!(matches!(
+        p04_transformer::generate::greedy(&model, &[1], usize::MAX, None, |_| {}),
+        Err(ModelError::Context {
+            len: usize::MAX,
+            ..
+        })
+    ));
 }

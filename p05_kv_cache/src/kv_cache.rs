@@ -86,7 +86,7 @@ impl KvCache {
 
     /// Error unless `adding` more positions fit.
     pub fn check_room(&self, adding: usize) -> Result<(), CacheError> {
-        if self.len + adding > self.max_seq {
+        if self.len.saturating_add(adding) > self.max_seq {
             return Err(CacheError::Full {
                 len: self.len,
                 max_seq: self.max_seq,

@@ -84,11 +84,17 @@ impl LlamaEngine {
         }
     }
 
-    /// An empty cache for up to `max_len` positions.
+    /// An empty cache for up to `max_len` positions (never more than the
+    /// context: a larger request could only allocate room no step may use).
     pub fn new_cache(&self, max_len: usize) -> LlamaCache {
         let s = self.kv_shape();
         LlamaCache {
-            kv: KvCache::new(s.n_layer, s.n_kv_head, s.head_dim, max_len),
+            kv: KvCache::new(
+                s.n_layer,
+                s.n_kv_head,
+                s.head_dim,
+                max_len.min(self.model.cfg.max_seq),
+            ),
         }
     }
 

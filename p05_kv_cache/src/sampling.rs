@@ -81,7 +81,9 @@ pub use common::rng::Rng;
 /// A sampler for one sequence (holds its generator and a reusable buffer).
 #[derive(Debug)]
 pub struct Sampler {
-    pub params: SamplingParams,
+    /// Private: validated once in `new`, so `top_k = Some(0)` or a negative
+    /// temperature cannot be set afterwards.
+    params: SamplingParams,
     rng: Rng,
     /// (probability or logit, token), reused across steps.
     cand: Vec<(f32, u32)>,
@@ -98,7 +100,25 @@ pub fn argmax(x: &[f32]) -> u32 {
     best as u32
 }
 
+impl SamplingError {
+    /// The request field at fault (OpenAI's `param`).
+    pub fn param(&self) -> &'static str {
+        match self {
+            SamplingError::Temperature(_) => "temperature",
+            SamplingError::TopP(_) => "top_p",
+            SamplingError::TopK => "top_k",
+            SamplingError::MinP(_) => "min_p",
+            SamplingError::RepetitionPenalty(_) => "repetition_penalty",
+        }
+    }
+}
+
 impl Sampler {
+    /// The validated settings.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
     pub fn new(params: SamplingParams) -> Result<Sampler, SamplingError> {
         params.validate()?;
         let rng = Rng::new(params.seed);

@@ -142,7 +142,8 @@ impl Sequence {
             }
         }
         let next = self.sampler.sample(logits, &self.history);
-        let logprob = logprob.map(|lp| lp[next as usize]);
+        // An empty row has no token to score (`sample` returns 0 for it).
+        let logprob = logprob.and_then(|lp| lp.get(next as usize).copied());
         if self.stop_ids.contains(&next) {
             self.finish = Some(FinishReason::Stop);
             return Step {

@@ -145,7 +145,7 @@ impl InputProcessor {
             .validate()
             .map_err(|e| EngineError::InvalidRequest {
                 message: e.to_string(),
-                param: None,
+                param: Some(e.param().into()),
             })?;
         Ok(Prepared {
             prompt,

@@ -30,6 +30,10 @@ pub struct Parsed {
 pub const MAX_TOP_LOGPROBS: i64 = 20;
 /// OpenAI's limit on stop sequences.
 pub const MAX_STOP: usize = 4;
+/// Longest stop sequence, in bytes: the stop filter holds back any suffix
+/// of the output that could begin one, at a cost quadratic in its length
+/// per token, so a near-1 MiB stop string would stall every step.
+pub const MAX_STOP_BYTES: usize = 256;
 /// Most choices per request (`n`): each is a running sequence, so a
 /// request may take this many of the batch's slots.
 pub const MAX_CHOICES: i64 = 16;
@@ -230,6 +234,15 @@ fn common_fields(
         return Err(ApiError::invalid(
             "stop",
             "stop sequences must not be empty",
+        ));
+    }
+    if let Some(long) = stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::invalid(
+            "stop",
+            format!(
+                "stop sequences may be at most {MAX_STOP_BYTES} bytes, got one of {}",
+                long.len()
+            ),
         ));
     }
     let stream = c.stream.unwrap_or(false);

@@ -55,7 +55,7 @@ impl SerialEngine {
     {
         let input =
             InputProcessor::new(tokenizer.clone(), model.info()).map_err(|e| e.to_string())?;
-        let (queue, rx) = mpsc::channel(max_waiting.max(1));
+        let (queue, rx) = mpsc::channel(max_waiting.clamp(1, tokio::sync::Semaphore::MAX_PERMITS));
         let shared = Arc::new(EngineGauges::default());
         let worker = {
             let (tok, shared) = (tokenizer.clone(), shared.clone());
@@ -138,7 +138,14 @@ fn model_thread<M: Model>(
         shared.running.fetch_add(1, Ordering::SeqCst);
         shared.waiting.fetch_sub(1, Ordering::SeqCst);
         let t0 = Instant::now();
-        let outcome = run_job(model, tok, &job, shared);
+        // A panic in one job (a bug, never input: input is checked before
+        // it gets here) fails that job with a 500 and leaves the model
+        // thread serving; uncaught, it would end the thread and every later
+        // request would get 503 until a restart.
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            run_job(model, tok, &job, shared)
+        }))
+        .unwrap_or_else(|panic| Err(EngineError::Internal(panic_message(panic.as_ref()))));
         shared.kv_cache_bytes.store(0, Ordering::SeqCst);
         shared.running.fetch_sub(1, Ordering::SeqCst);
         let _ = job.events.send(match outcome {
@@ -179,7 +186,7 @@ fn run_job<M: Model>(
         let step = match gen.next_token() {
             Ok(Some(step)) => step,
             Ok(None) => return Ok((Finish::Length, prompt_tokens, gen.generated_tokens())),
-            Err(e) => return Err(EngineError::Internal(e.to_string())),
+            Err(e) => return Err(engine_error(e)),
         };
         // A stop token is not output: only count and send real tokens.
         if gen.generated_tokens() > before {
@@ -209,10 +216,20 @@ pub fn engine_error<E: std::error::Error>(e: GenerateError<E>) -> EngineError {
         },
         GenerateError::Sampling(s) => EngineError::InvalidRequest {
             message: s.to_string(),
-            param: None,
+            param: Some(s.param().into()),
         },
         GenerateError::Model(m) => EngineError::Internal(m.to_string()),
     }
+}
+
+/// The text of a caught panic, for the error the job reports.
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    let what = panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic without a message");
+    format!("the engine failed on this request ({what}); it keeps serving others")
 }
 
 /// A sampled step as the engine seam streams it (text, logprobs as text and bytes).

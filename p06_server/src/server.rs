@@ -225,7 +225,7 @@ pub async fn run_until_signal(
         // Connections that still will not close (a client that stopped
         // reading) do not hold the process past the deadline.
         tokio::spawn(async move {
-            tokio::time::sleep(grace + Duration::from_secs(5)).await;
+            tokio::time::sleep(grace.saturating_add(Duration::from_secs(5))).await;
             eprintln!("shutdown deadline passed with connections open; exiting");
             std::process::exit(0);
         });
@@ -248,7 +248,11 @@ where
     let (ready, name) = (state.clone(), name.to_string());
     tokio::task::spawn_blocking(move || {
         let t0 = std::time::Instant::now();
-        match load(&name) {
+        // A loader that panics (a bug) must end the process too, not leave
+        // a server answering 503 forever.
+        let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| load(&name)))
+            .unwrap_or_else(|p| Err(crate::serial::panic_message(p.as_ref())));
+        match loaded {
             Ok(e) => {
                 loading.set(e);
                 ready.ready.store(true, Ordering::SeqCst);

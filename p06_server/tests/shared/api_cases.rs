@@ -296,6 +296,10 @@ async fn bad_requests_get_openai_error_bodies_naming_the_problem() {
     assert_eq!((s, e["param"].as_str()), (400, Some("temperature")));
     let (s, e) = error_of(&srv, chat, &chat_body(json!({"n": 17}))).await;
     assert_eq!((s, e["param"].as_str()), (400, Some("n")));
+    // A stop string long enough to stall the stop filter (the body limit
+    // here is 4,096 bytes, so 300 bytes fit).
+    let (s, e) = error_of(&srv, chat, &chat_body(json!({"stop": "y".repeat(300)}))).await;
+    assert_eq!((s, e["param"].as_str()), (400, Some("stop")));
     let (s, e) = error_of(&srv, chat, &chat_body(json!({"cache_salt": ""}))).await;
     assert_eq!((s, e["param"].as_str()), (400, Some("cache_salt")));
     let (s, e) = error_of(&srv, chat, &chat_body(json!({"messages": []}))).await;
