@@ -4,8 +4,10 @@
 //! - [`st`]: safetensors load and save, with errors that name the file and tensor.
 //! - [`compare`]: absolute + relative tolerance checks that report the worst index.
 //! - [`stats`]: warm-up, repeated timing, median / p95 / min / max.
-//! - [`numbers`]: the `numbers.md` recorder (date, machine, commit, command, metric, value, unit, prediction).
-//! - [`plot`]: line and log-log charts to PNG.
+//! - With the `bench` feature: [`numbers`] (the `numbers.md` recorder: date,
+//!   machine, commit, command, metric, value, unit, prediction),
+//!   [`criterion_rows`] (`cargo bench` results into numbers.md) and [`plot`]
+//!   (line and log-log charts to PNG).
 //! - [`assets`]: locating the workspace and fetching assets through `scripts/fetch_assets.sh`.
 //! - [`model`]: the `Model` seam (logits level); [`batch`]: the batched, ragged step
 //!   under it (`Batch`, the `KvStore` trait, `BatchModel`); [`openai`]: the OpenAI wire format.
@@ -19,13 +21,17 @@ pub mod batch;
 #[cfg(feature = "net")]
 pub mod client;
 pub mod compare;
+#[cfg(feature = "bench")]
+pub mod criterion_rows;
 #[cfg(feature = "net")]
 pub mod engine;
 #[cfg(feature = "net")]
 pub mod loadgen;
 pub mod model;
+#[cfg(feature = "bench")]
 pub mod numbers;
 pub mod openai;
+#[cfg(feature = "bench")]
 pub mod plot;
 pub mod rng;
 pub mod st;

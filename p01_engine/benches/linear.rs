@@ -1,7 +1,7 @@
 //! Criterion: the packed linear (AVX2 when available, and the portable path)
 //! against the naive reference, at the MLP's fc1 shape (784 -> 256).
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use p01_engine::linear::{linear_ref, Activation, Kernel, Linear};
 
 fn bench_linear(c: &mut Criterion) {
@@ -33,4 +33,13 @@ fn bench_linear(c: &mut Criterion) {
 }
 
 criterion_group!(benches, bench_linear);
-criterion_main!(benches);
+
+/// criterion_main!, plus rows for numbers.md: the median and p95 of each
+/// benchmark's samples and criterion's own median estimate
+/// (`common::criterion_rows`), appended only under `cargo bench`.
+fn main() {
+    let since = std::time::SystemTime::now();
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    common::criterion_rows::record_cargo_bench("p01_engine", since);
+}

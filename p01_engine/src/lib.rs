@@ -6,6 +6,7 @@
 //! batch through it. Every op has a PyTorch parity test; `linear` has a
 //! register-blocked AVX2 path beside its naive reference.
 
+#[cfg(feature = "bench")]
 pub mod bench;
 pub mod engine;
 pub mod error;

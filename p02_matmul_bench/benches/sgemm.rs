@@ -2,7 +2,7 @@
 //! crates (1 thread) at N = 256 and 1024, and the M = 1 GEMV path on a
 //! SmolLM2 MLP weight (1536 x 576).
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use p02_matmul_bench::{sgemm, GemmOpts, MatMut, MatRef};
 
 fn data(n: usize, seed: usize) -> Vec<f32> {
@@ -69,4 +69,13 @@ fn bench_gemv(c: &mut Criterion) {
 }
 
 criterion_group!(benches, bench_square, bench_gemv);
-criterion_main!(benches);
+
+/// criterion_main!, plus rows for numbers.md: the median and p95 of each
+/// benchmark's samples and criterion's own median estimate
+/// (`common::criterion_rows`), appended only under `cargo bench`.
+fn main() {
+    let since = std::time::SystemTime::now();
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    common::criterion_rows::record_cargo_bench("p02_matmul_bench", since);
+}

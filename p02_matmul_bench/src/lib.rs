@@ -18,7 +18,9 @@ pub mod mlp;
 pub mod pack;
 pub mod peers;
 pub mod reference;
+#[cfg(feature = "bench")]
 pub mod sweep;
+#[cfg(feature = "bench")]
 pub mod sweep_mlp;
 pub mod variants;
 pub mod weight_rows;

@@ -7,6 +7,7 @@
 //! GPT-2, the BPE tokenizer, generate/trace. [`prompt`]: the one input path
 //! (the model's chat template, its BOS policy, tokenisation) every front uses.
 
+#[cfg(feature = "bench")]
 pub mod bench;
 pub mod bpe;
 pub mod dequant;
@@ -20,6 +21,7 @@ pub mod model;
 pub mod model_file;
 pub mod proj;
 pub mod prompt;
+#[cfg(feature = "bench")]
 pub mod tokenize_bench;
 pub mod tokenizer;
 pub mod trace;

@@ -8,6 +8,7 @@
 //! - [`generate`]: the loop later crates share: streaming, stop ids and strings, finish reasons.
 
 pub mod attention;
+#[cfg(feature = "bench")]
 pub mod bench;
 pub mod generate;
 pub mod gpt2_engine;

@@ -10,7 +10,9 @@
 //! - [`metrics`]: Prometheus text with vLLM's names; [`server`]: start, drain, stop.
 //! - [`bench`]: the `bench` command: the load generator against any OpenAI-compatible server.
 
+#[cfg(feature = "bench")]
 pub mod bench;
+#[cfg(feature = "bench")]
 pub mod bench_overhead;
 pub mod error;
 pub mod gauges;

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
+#[cfg(feature = "bench")]
 use p06_server::bench::BenchArgs;
 use p06_server::server;
 use p06_server::AppState;
@@ -28,6 +29,7 @@ struct Cli {
 enum Cmd {
     /// Serve (the default).
     Serve(ServeArgs),
+    #[cfg(feature = "bench")]
     /// Drive an OpenAI-compatible server and report TTFT, TPOT, ITL, E2EL, throughput.
     Bench(Box<BenchArgs>),
 }
@@ -55,6 +57,7 @@ fn main() -> Result<()> {
     match cli.cmd {
         None => rt.block_on(serve(cli.serve)),
         Some(Cmd::Serve(a)) => rt.block_on(serve(a)),
+        #[cfg(feature = "bench")]
         Some(Cmd::Bench(a)) => rt.block_on(p06_server::bench::run(*a)),
     }
 }

@@ -13,7 +13,9 @@
 
 pub mod batcher;
 pub mod bench;
+#[cfg(feature = "bench")]
 pub mod bench_cmd;
+#[cfg(feature = "bench")]
 pub mod serve_bench;
 pub mod stats;
 

@@ -11,7 +11,9 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use p06_server::server;
-use p07_batching::{bench_cmd, BatchConfig, BatchingEngine};
+#[cfg(feature = "bench")]
+use p07_batching::bench_cmd;
+use p07_batching::{BatchConfig, BatchingEngine};
 
 #[derive(Debug, Parser)]
 #[command(about = "Project 07: a batched forward step and a dynamic batcher behind the OpenAI API")]
@@ -27,8 +29,10 @@ struct Cli {
 enum Cmd {
     /// Serve (the default).
     Serve(ServeArgs),
+    #[cfg(feature = "bench")]
     /// Aggregate decode tok/s of the batched step vs batch size, beside single-sequence steps.
     BenchStep(bench_cmd::StepArgs),
+    #[cfg(feature = "bench")]
     /// The batcher behind HTTP vs p06's serial server: throughput, TTFT, wait x batch sweep, lock-step penalty.
     BenchServe(bench_cmd::ServeBenchArgs),
 }
@@ -57,7 +61,9 @@ fn main() -> Result<()> {
     match cli.cmd {
         None => rt.block_on(serve(cli.serve)),
         Some(Cmd::Serve(a)) => rt.block_on(serve(a)),
+        #[cfg(feature = "bench")]
         Some(Cmd::BenchStep(a)) => bench_cmd::step(&a),
+        #[cfg(feature = "bench")]
         Some(Cmd::BenchServe(a)) => rt.block_on(bench_cmd::serve(&a)),
     }
 }

@@ -7,12 +7,14 @@
 //!
 //!   cargo run --release -p p08_continuous -- --model smollm2 --port 8000
 
+#[cfg(feature = "bench")]
 pub mod bench_cmd;
 pub mod cli;
 pub mod core;
 pub mod engine;
 pub mod kv_backend;
 pub mod scheduler;
+#[cfg(feature = "bench")]
 pub mod serve_bench;
 pub mod stats;
 

@@ -11,8 +11,10 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use p06_server::server;
+#[cfg(feature = "bench")]
+use p08_continuous::bench_cmd;
 use p08_continuous::cli::SchedArgs;
-use p08_continuous::{bench_cmd, ContinuousEngine};
+use p08_continuous::ContinuousEngine;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -30,8 +32,10 @@ struct Cli {
 enum Cmd {
     /// Serve (the default).
     Serve(ServeArgs),
+    #[cfg(feature = "bench")]
     /// The step-time model: step time vs prefill-chunk size beside running decodes; the default budget.
     BenchBudget(bench_cmd::BudgetArgs),
+    #[cfg(feature = "bench")]
     /// Serial, p07, p08 and llama.cpp's server under the same load: throughput, TTFT, ITL, fairness.
     BenchServe(bench_cmd::ServeArgs),
 }
@@ -53,7 +57,9 @@ fn main() -> Result<()> {
     match cli.cmd {
         None => rt.block_on(serve(cli.serve)),
         Some(Cmd::Serve(a)) => rt.block_on(serve(a)),
+        #[cfg(feature = "bench")]
         Some(Cmd::BenchBudget(a)) => bench_cmd::budget(&a),
+        #[cfg(feature = "bench")]
         Some(Cmd::BenchServe(a)) => rt.block_on(bench_cmd::serve(&a)),
     }
 }

@@ -7,6 +7,7 @@
 //! admitted requests starting after their cached prefix.
 
 pub mod backend;
+#[cfg(feature = "bench")]
 pub mod bench;
 pub mod block_pool;
 pub mod manager;

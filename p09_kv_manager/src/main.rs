@@ -25,6 +25,7 @@ struct Cli {
 enum Cmd {
     /// Serve (the default).
     Serve(ServeArgs),
+    #[cfg(feature = "bench")]
     /// Fragmentation, sequences per budget, cold vs warm TTFT, hit rate, indirection cost, n = 4 forks.
     Bench(p09_kv_manager::bench::BenchArgs),
 }
@@ -38,6 +39,7 @@ fn main() -> Result<()> {
     match cli.cmd {
         None => rt.block_on(serve(cli.serve)),
         Some(Cmd::Serve(a)) => rt.block_on(serve(a)),
+        #[cfg(feature = "bench")]
         Some(Cmd::Bench(a)) => p09_kv_manager::bench::run(&a),
     }
 }

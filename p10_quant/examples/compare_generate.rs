@@ -14,7 +14,7 @@ fn main() -> anyhow::Result<()> {
         ("native int-only", true, usize::MAX),
     ] {
         let l = if native {
-            p10_quant::bench::load_native(
+            p10_quant::loader::load_native(
                 &path,
                 p10_quant::NativeWeights {
                     f32_rows,
@@ -22,7 +22,7 @@ fn main() -> anyhow::Result<()> {
                 },
             )?
         } else {
-            p10_quant::bench::load(&path, false)?
+            p10_quant::loader::load(&path, false)?
         };
         let tok = std::sync::Arc::new(l.tokenizer.unwrap());
         let ids = p04_transformer::PromptBuilder::new(tok.clone())?

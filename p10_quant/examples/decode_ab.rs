@@ -5,7 +5,7 @@ fn main() -> anyhow::Result<()> {
     let path =
         common::assets::ensure(common::assets::Asset::SmolLm2).map_err(anyhow::Error::msg)?;
     let rounds: usize = std::env::args().nth(1).map_or(Ok(5), |s| s.parse())?;
-    let loaded = p10_quant::bench::load(&path, true)?;
+    let loaded = p10_quant::loader::load(&path, true)?;
     let (mut fused, mut single) = (Vec::new(), Vec::new());
     for _ in 0..rounds {
         for (on, out) in [(false, &mut single), (true, &mut fused)] {

@@ -6,8 +6,8 @@ fn main() -> anyhow::Result<()> {
         common::assets::ensure(common::assets::Asset::SmolLm2).map_err(anyhow::Error::msg)?;
     let n: usize = std::env::args().nth(1).map_or(Ok(256), |s| s.parse())?;
     let rounds: usize = std::env::args().nth(2).map_or(Ok(3), |s| s.parse())?;
-    let f = p10_quant::bench::load(&path, false)?;
-    let q = p10_quant::bench::load(&path, true)?;
+    let f = p10_quant::loader::load(&path, false)?;
+    let q = p10_quant::loader::load(&path, true)?;
     // PREFILL_ONLY=native|f32: one path alone (for a profiler).
     if let Ok(only) = std::env::var("PREFILL_ONLY") {
         let e = if only == "f32" { &f.engine } else { &q.engine };

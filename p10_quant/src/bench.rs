@@ -26,6 +26,7 @@ use p05_kv_cache::llama_engine::LlamaEngine;
 use p05_kv_cache::load::Loaded;
 use p05_kv_cache::sampling::argmax;
 
+use crate::loader::{load, load_native, rss_bytes};
 use crate::{Dot, NativeWeights};
 
 #[derive(Clone, Debug, Args)]
@@ -40,27 +41,6 @@ pub struct BenchArgs {
     pub no_peer: bool,
     #[arg(long)]
     pub no_record: bool,
-}
-
-/// A model with its projections in f32 or kept in the file's blocks.
-pub fn load(path: &Path, native: bool) -> Result<Loaded> {
-    if native {
-        load_native(path, NativeWeights::detect())
-    } else {
-        p05_kv_cache::load::load(path).with_context(|| format!("loading {}", path.display()))
-    }
-}
-
-pub fn load_native(path: &Path, w: NativeWeights) -> Result<Loaded> {
-    p05_kv_cache::load::load_with(path, &w).with_context(|| format!("loading {}", path.display()))
-}
-
-/// This process's resident set, in bytes (0 where /proc is missing).
-pub fn rss_bytes() -> usize {
-    std::fs::read_to_string("/proc/self/statm")
-        .ok()
-        .and_then(|s| s.split_whitespace().nth(1)?.parse::<usize>().ok())
-        .map_or(0, |pages| pages * 4096)
 }
 
 /// Every projection of the model, with a label of its kind.

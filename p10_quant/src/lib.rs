@@ -15,6 +15,7 @@
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(feature = "bench")]
 pub mod bench;
 pub mod dot;
 pub mod formats;
@@ -25,6 +26,7 @@ pub mod loader;
 pub mod matrix;
 pub mod perplexity;
 pub mod pool;
+#[cfg(feature = "bench")]
 pub mod study;
 
 pub use dot::Dot;

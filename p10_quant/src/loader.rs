@@ -4,6 +4,11 @@
 //! projection as f32 and quantises it again with this crate's quantisers
 //! (the weight-quantisation study).
 
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use p05_kv_cache::load::Loaded;
+
 use p04_transformer::{GgufFile, ModelError, Proj, ProjLoader, TensorInfo};
 
 use crate::dot::Dot;
@@ -121,4 +126,27 @@ impl ProjLoader for Requantize {
         .with_f32_rows(self.weights.f32_rows);
         Ok(Some(Proj::from_weights(Box::new(m))))
     }
+}
+
+/// A model ready to serve: the GGUF's blocks kept native (`native`), or
+/// everything dequantised to f32 at load as Projects 04–09 do.
+pub fn load(path: &Path, native: bool) -> Result<Loaded> {
+    if native {
+        load_native(path, NativeWeights::detect())
+    } else {
+        p05_kv_cache::load::load(path).with_context(|| format!("loading {}", path.display()))
+    }
+}
+
+/// A model with its projections in the file's blocks, through `w`'s kernels.
+pub fn load_native(path: &Path, w: NativeWeights) -> Result<Loaded> {
+    p05_kv_cache::load::load_with(path, &w).with_context(|| format!("loading {}", path.display()))
+}
+
+/// This process's resident set, in bytes (0 where /proc is missing).
+pub fn rss_bytes() -> usize {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<usize>().ok())
+        .map_or(0, |pages| pages * 4096)
 }

@@ -28,10 +28,13 @@ struct Cli {
 enum Cmd {
     /// Serve the OpenAI API (the default).
     Serve(Serve),
+    #[cfg(feature = "bench")]
     /// Decode and prefill f32 vs native beside llama.cpp, GEMV bandwidth per format, accuracy.
     Bench(p10_quant::bench::BenchArgs),
+    #[cfg(feature = "bench")]
     /// Perplexity, KL divergence and top-1 agreement over a text: 8-bit activations and weight formats against f32, beside llama.cpp.
     Perplexity(p10_quant::study::PerplexityArgs),
+    #[cfg(feature = "bench")]
     /// int8 per output channel for Project 01's MNIST MLP: accuracy and agreement with f32 on the 1,000 held-out digits.
     Int8(Int8Args),
     /// The kernel paths this CPU has, and the one chosen.
@@ -58,6 +61,7 @@ struct Serve {
     weights: Weights,
 }
 
+#[cfg(feature = "bench")]
 #[derive(Clone, Debug, Args)]
 struct Int8Args {
     /// A Project 01 model directory (linear and relu layers).
@@ -83,8 +87,11 @@ fn main() -> Result<()> {
     match cli.cmd {
         None => serve(cli.serve),
         Some(Cmd::Serve(a)) => serve(a),
+        #[cfg(feature = "bench")]
         Some(Cmd::Bench(a)) => p10_quant::bench::run(&a),
+        #[cfg(feature = "bench")]
         Some(Cmd::Perplexity(a)) => p10_quant::study::run(&a),
+        #[cfg(feature = "bench")]
         Some(Cmd::Int8(a)) => int8(&a),
         Some(Cmd::Isa) => {
             println!("available: {:?}", Isa::available());
@@ -96,8 +103,8 @@ fn main() -> Result<()> {
         }
         Some(Cmd::Rss(a)) => {
             let path = p06_server::server::resolve_model(&a.model).map_err(anyhow::Error::msg)?;
-            let loaded = p10_quant::bench::load(&path, a.weights == Weights::Native)?;
-            println!("{}", p10_quant::bench::rss_bytes());
+            let loaded = p10_quant::loader::load(&path, a.weights == Weights::Native)?;
+            println!("{}", p10_quant::loader::rss_bytes());
             drop(loaded);
             Ok(())
         }
@@ -114,10 +121,11 @@ fn serve(a: Serve) -> Result<()> {
         eprintln!("native weights, {} kernels", Dot::detect().isa());
     }
     rt.block_on(p09_kv_manager::serve::serve(a.serve, move |path| {
-        p10_quant::bench::load(path, native).map_err(|e| format!("{e:#}"))
+        p10_quant::loader::load(path, native).map_err(|e| format!("{e:#}"))
     }))
 }
 
+#[cfg(feature = "bench")]
 fn int8(a: &Int8Args) -> Result<()> {
     use common::numbers::{command_line, Recorder, Row};
     let root = common::assets::workspace_root();

@@ -87,7 +87,7 @@ pub fn run(a: &PerplexityArgs) -> Result<()> {
         )
     })?;
     let max_chunks = (a.chunks > 0).then_some(a.chunks);
-    let base = crate::bench::load(&path, false)?;
+    let base = crate::loader::load(&path, false)?;
     let tok = base
         .tokenizer
         .as_ref()
@@ -112,7 +112,7 @@ pub fn run(a: &PerplexityArgs) -> Result<()> {
         let p = path.clone();
         tests.push((
             "native Q4_1 (file's blocks, 8-bit activations)".into(),
-            Box::new(move || crate::bench::load_native(&p, int_path)),
+            Box::new(move || crate::loader::load_native(&p, int_path)),
         ));
     }
     if a.study != Study::Activations {

@@ -33,7 +33,7 @@ fn native(isa: Isa, f32_rows: usize) -> p05_kv_cache::load::Loaded {
         dot: Dot::new(isa).unwrap(),
         f32_rows,
     };
-    p10_quant::bench::load_native(&path(), w).unwrap()
+    p10_quant::loader::load_native(&path(), w).unwrap()
 }
 
 /// The five prompts of p04's parity fixtures.

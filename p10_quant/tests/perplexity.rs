@@ -34,7 +34,7 @@ fn f32_scores_match_transformers_and_native_stays_close() {
     let path =
         common::assets::ensure(common::assets::Asset::SmolLm2).unwrap_or_else(|e| panic!("{e}"));
     let f32e = p05_kv_cache::load::load(&path).unwrap();
-    let nat = p10_quant::bench::load_native(
+    let nat = p10_quant::loader::load_native(
         &path,
         NativeWeights {
             f32_rows: usize::MAX,
