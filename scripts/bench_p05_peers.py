@@ -6,9 +6,12 @@
   --peer transformers   transformers fp32 (the GGUF dequantised), run with .venv-ref
   --peer llamacpp       llama.cpp (llama-cpp-python built from source, Q4_1 as is), run with .venv-peer
 
-Prints one JSON object {"peer", "version", "prefill_tok_s", "decode_tok_s"}
-(medians of --reps runs). Prompts are fixed token ids, so both peers and the
-Rust side run identical work.
+Prints one JSON object {"peer", "version", "prefill_tok_s", "decode_tok_s",
+"prefill_runs", "decode_runs", "greedy_ids"}: the medians of --reps timed
+runs, every timed run's rate, and the N_DECODE greedy ids of the untimed
+first run, so the bench can say how far the peer's tokens agree with ours
+before it compares speeds. Prompts are fixed token ids, so both peers and
+the Rust side run identical work.
 """
 import argparse
 import json
@@ -30,9 +33,9 @@ def bench_transformers(reps):
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(2)
     model = AutoModelForCausalLM.from_pretrained(GGUF_DIR, gguf_file=GGUF, dtype=torch.float32).eval()
-    pre, dec = [], []
+    pre, dec, greedy = [], [], []
     with torch.inference_mode():
-        for _ in range(reps + 1):
+        for rep in range(reps + 1):
             ids = torch.tensor([PREFILL_IDS])
             t = time.perf_counter()
             model(ids, use_cache=True)
@@ -42,18 +45,20 @@ def bench_transformers(reps):
             past, nxt = out.past_key_values, out.logits[0, -1].argmax()
             t = time.perf_counter()
             for _ in range(N_DECODE):
+                if rep == 0:
+                    greedy.append(int(nxt))
                 out = model(nxt.view(1, 1), past_key_values=past, use_cache=True)
                 past, nxt = out.past_key_values, out.logits[0, -1].argmax()
             dec.append(N_DECODE / (time.perf_counter() - t))
-    return transformers.__version__, statistics.median(pre[1:]), statistics.median(dec[1:])
+    return transformers.__version__, pre[1:], dec[1:], greedy
 
 
 def bench_llamacpp(reps):
     import llama_cpp
     from llama_cpp import Llama
     llm = Llama(model_path=os.path.join(GGUF_DIR, GGUF), n_ctx=512, n_threads=2, n_threads_batch=2, n_batch=512, verbose=False, logits_all=False)
-    pre, dec = [], []
-    for _ in range(reps + 1):
+    pre, dec, greedy = [], [], []
+    for rep in range(reps + 1):
         llm.reset()
         t = time.perf_counter()
         llm.eval(PREFILL_IDS)
@@ -63,9 +68,11 @@ def bench_llamacpp(reps):
         t = time.perf_counter()
         for _ in range(N_DECODE):
             nxt = int(llm.scores[llm.n_tokens - 1].argmax())
+            if rep == 0:
+                greedy.append(nxt)
             llm.eval([nxt])
         dec.append(N_DECODE / (time.perf_counter() - t))
-    return llama_cpp.__version__, statistics.median(pre[1:]), statistics.median(dec[1:])
+    return llama_cpp.__version__, pre[1:], dec[1:], greedy
 
 
 def main():
@@ -73,8 +80,12 @@ def main():
     ap.add_argument("--peer", choices=["transformers", "llamacpp"], required=True)
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args()
-    version, pre, dec = (bench_transformers if a.peer == "transformers" else bench_llamacpp)(a.reps)
-    print(json.dumps({"peer": a.peer, "version": version, "prefill_tok_s": pre, "decode_tok_s": dec}))
+    version, pre, dec, greedy = (bench_transformers if a.peer == "transformers" else bench_llamacpp)(a.reps)
+    print(json.dumps({
+        "peer": a.peer, "version": version,
+        "prefill_tok_s": statistics.median(pre), "decode_tok_s": statistics.median(dec),
+        "prefill_runs": pre, "decode_runs": dec, "greedy_ids": greedy,
+    }))
 
 
 if __name__ == "__main__":

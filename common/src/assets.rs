@@ -4,6 +4,27 @@
 use std::path::PathBuf;
 use std::process::Command;
 
+use thiserror::Error;
+
+/// Why an asset is not there; each names the command to run by hand.
+#[derive(Debug, Error)]
+pub enum AssetError {
+    #[error("cannot start {script}: {source}; {hint}")]
+    Start {
+        script: PathBuf,
+        source: std::io::Error,
+        hint: String,
+    },
+    #[error("fetching {asset} failed ({status}); {hint}")]
+    Fetch {
+        asset: &'static str,
+        status: std::process::ExitStatus,
+        hint: String,
+    },
+    #[error("{path} still missing after fetch; {hint}")]
+    Missing { path: PathBuf, hint: String },
+}
+
 /// The workspace root: `$INFERENCE_LAB_ROOT` if set, else the directory above
 /// this crate's manifest (fixed at compile time).
 pub fn workspace_root() -> PathBuf {
@@ -43,25 +64,31 @@ impl Asset {
 
 /// Make sure `asset` is present (the script is idempotent and checks sha256),
 /// returning its path. The error carries the command to run by hand.
-pub fn ensure(asset: Asset) -> Result<PathBuf, String> {
+pub fn ensure(asset: Asset) -> Result<PathBuf, AssetError> {
     let script = workspace_root().join("scripts/fetch_assets.sh");
     let hint = format!("run `bash {} {}`", script.display(), asset.arg());
-    let status = Command::new("bash")
-        .arg(&script)
-        .arg(asset.arg())
-        .status()
-        .map_err(|e| format!("cannot start {}: {e}; {hint}", script.display()))?;
+    let status = match Command::new("bash").arg(&script).arg(asset.arg()).status() {
+        Ok(s) => s,
+        Err(source) => {
+            return Err(AssetError::Start {
+                script,
+                source,
+                hint,
+            })
+        }
+    };
     if !status.success() {
-        return Err(format!(
-            "fetching {} failed ({status}); {hint}",
-            asset.arg()
-        ));
+        return Err(AssetError::Fetch {
+            asset: asset.arg(),
+            status,
+            hint,
+        });
     }
-    let p = asset.path();
-    if p.exists() {
-        Ok(p)
+    let path = asset.path();
+    if path.exists() {
+        Ok(path)
     } else {
-        Err(format!("{} still missing after fetch; {hint}", p.display()))
+        Err(AssetError::Missing { path, hint })
     }
 }
 

@@ -1,7 +1,39 @@
 //! Tolerance checks for parity tests: |a - e| <= atol + rtol * |e| elementwise,
 //! reporting the worst element so a failure says where and by how much.
 
+use thiserror::Error;
+
 use crate::Tensor;
+
+/// A comparison that failed, with what a reader needs to find the cause.
+#[derive(Clone, Debug, Error, PartialEq)]
+pub enum CompareError {
+    #[error("{what}length mismatch: actual {actual} vs expected {expected}")]
+    Length {
+        what: String,
+        actual: usize,
+        expected: usize,
+    },
+    #[error("{what}: shape {actual:?} vs expected {expected:?}")]
+    Shape {
+        what: String,
+        actual: Vec<usize>,
+        expected: Vec<usize>,
+    },
+    #[error(
+        "{what}: {} of {n} elements outside atol {atol:e} + rtol {rtol:e}; worst at flat index {} \
+         (shape {shape:?}): got {} expected {} (|diff| {:e})",
+        diff.n_bad, diff.worst_index, diff.actual, diff.expected, diff.max_abs
+    )]
+    Tolerance {
+        what: String,
+        n: usize,
+        atol: f32,
+        rtol: f32,
+        shape: Vec<usize>,
+        diff: Diff,
+    },
+}
 
 /// The result of comparing two buffers.
 #[derive(Clone, Debug, PartialEq)]
@@ -17,13 +49,13 @@ pub struct Diff {
 }
 
 /// Compare two equal-length buffers. NaN anywhere counts as a failure.
-pub fn diff(actual: &[f32], expected: &[f32], atol: f32, rtol: f32) -> Result<Diff, String> {
+pub fn diff(actual: &[f32], expected: &[f32], atol: f32, rtol: f32) -> Result<Diff, CompareError> {
     if actual.len() != expected.len() {
-        return Err(format!(
-            "length mismatch: actual {} vs expected {}",
-            actual.len(),
-            expected.len()
-        ));
+        return Err(CompareError::Length {
+            what: String::new(),
+            actual: actual.len(),
+            expected: expected.len(),
+        });
     }
     let mut d = Diff {
         max_abs: 0.0,
@@ -59,27 +91,24 @@ pub fn check_close(
     expected: &Tensor,
     atol: f32,
     rtol: f32,
-) -> Result<Diff, String> {
+) -> Result<Diff, CompareError> {
     if actual.shape() != expected.shape() {
-        return Err(format!(
-            "{what}: shape {:?} vs expected {:?}",
-            actual.shape(),
-            expected.shape()
-        ));
+        return Err(CompareError::Shape {
+            what: what.to_string(),
+            actual: actual.shape().to_vec(),
+            expected: expected.shape().to_vec(),
+        });
     }
-    let d = diff(actual.data(), expected.data(), atol, rtol).map_err(|e| format!("{what}: {e}"))?;
+    let d = diff(actual.data(), expected.data(), atol, rtol)?;
     if d.n_bad > 0 {
-        return Err(format!(
-            "{what}: {} of {} elements outside atol {atol:e} + rtol {rtol:e}; worst at flat index {} \
-             (shape {:?}): got {} expected {} (|diff| {:e})",
-            d.n_bad,
-            actual.numel(),
-            d.worst_index,
-            actual.shape(),
-            d.actual,
-            d.expected,
-            d.max_abs
-        ));
+        return Err(CompareError::Tolerance {
+            what: what.to_string(),
+            n: actual.numel(),
+            atol,
+            rtol,
+            shape: actual.shape().to_vec(),
+            diff: d,
+        });
     }
     Ok(d)
 }
@@ -95,10 +124,24 @@ mod tests {
         assert_eq!(d.max_abs, 0.5);
         let d = diff(&[f32::NAN], &[0.0], 1.0, 1.0).unwrap();
         assert_eq!(d.n_bad, 1);
-        assert!(diff(&[1.0], &[1.0, 2.0], 0.0, 0.0).is_err());
+        assert!(matches!(
+            diff(&[1.0], &[1.0, 2.0], 0.0, 0.0),
+            Err(CompareError::Length {
+                actual: 1,
+                expected: 2,
+                ..
+            })
+        ));
         let a = Tensor::new(vec![2], vec![1.0, 2.0]).unwrap();
         let b = Tensor::new(vec![1, 2], vec![1.0, 2.0]).unwrap();
-        assert!(check_close("x", &a, &b, 1.0, 1.0).is_err());
+        assert!(matches!(
+            check_close("x", &a, &b, 1.0, 1.0),
+            Err(CompareError::Shape { .. })
+        ));
+        let c = Tensor::new(vec![2], vec![1.0, 2.5]).unwrap();
+        let e = check_close("logits", &c, &a, 0.1, 0.0).unwrap_err();
+        assert!(matches!(&e, CompareError::Tolerance { diff, .. } if diff.worst_index == 1));
+        assert!(e.to_string().contains("logits: 1 of 2 elements"), "{e}");
         assert!(check_close("x", &a, &a.clone(), 0.0, 0.0).is_ok());
     }
 }

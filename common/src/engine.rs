@@ -12,6 +12,7 @@ use std::fmt;
 use thiserror::Error;
 use tokio::sync::mpsc;
 
+pub use crate::model::Finish;
 use crate::openai::ChatMessage;
 
 /// What to complete.
@@ -25,33 +26,8 @@ pub enum PromptInput {
     Chat(Vec<ChatMessage>),
 }
 
-/// Sampling settings, already range-checked by the caller.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SamplingSpec {
-    /// 0 = greedy.
-    pub temperature: f32,
-    /// 1 = off.
-    pub top_p: f32,
-    pub top_k: Option<usize>,
-    /// 0 = off.
-    pub min_p: f32,
-    /// 1 = off.
-    pub repetition_penalty: f32,
-    pub seed: Option<u64>,
-}
-
-impl Default for SamplingSpec {
-    fn default() -> Self {
-        SamplingSpec {
-            temperature: 1.0,
-            top_p: 1.0,
-            top_k: None,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            seed: None,
-        }
-    }
-}
+/// Sampling settings: common's one type (OpenAI's defaults).
+pub use crate::sampling::SamplingParams;
 
 /// One completion request as an engine sees it.
 #[derive(Clone, Debug, PartialEq)]
@@ -61,7 +37,7 @@ pub struct EngineRequest {
     pub prompt: PromptInput,
     /// None: up to the end of the context.
     pub max_tokens: Option<usize>,
-    pub sampling: SamplingSpec,
+    pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
     /// No stop before this many tokens (0 = off).
@@ -83,7 +59,7 @@ impl EngineRequest {
             id: id.into(),
             prompt,
             max_tokens: None,
-            sampling: SamplingSpec::default(),
+            sampling: SamplingParams::default(),
             stop: Vec::new(),
             ignore_eos: false,
             min_tokens: 0,
@@ -91,34 +67,6 @@ impl EngineRequest {
             n: 1,
             cache_salt: None,
         }
-    }
-}
-
-/// Why a request ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Finish {
-    /// A stop token or stop string.
-    Stop,
-    /// `max_tokens` (or the context) reached.
-    Length,
-    /// Cancelled: the client left, or the server is shutting down.
-    Abort,
-}
-
-impl Finish {
-    /// The OpenAI / vLLM spelling.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Finish::Stop => "stop",
-            Finish::Length => "length",
-            Finish::Abort => "abort",
-        }
-    }
-}
-
-impl fmt::Display for Finish {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
     }
 }
 

@@ -34,11 +34,12 @@ pub mod openai;
 #[cfg(feature = "bench")]
 pub mod plot;
 pub mod rng;
+pub mod sampling;
 pub mod st;
 pub mod stats;
 pub mod tensor;
 pub mod testdata;
 
 pub use batch::{Batch, BatchModel, KvShape, KvStore, SeqSlice};
-pub use model::{Model, ModelInfo};
-pub use tensor::{Tensor, TensorError};
+pub use model::{Finish, Model, ModelInfo};
+pub use tensor::{argmax, Tensor, TensorError};

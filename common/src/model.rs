@@ -3,6 +3,37 @@
 //! Local engines implement it; samplers, generation loops and servers are
 //! written against it.
 
+use std::fmt;
+
+/// Why a generation (a request) ended: one type from the sampling loop
+/// (Project 05) to the wire (`finish_reason`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// A stop token or stop string.
+    Stop,
+    /// `max_tokens` (or the context) reached.
+    Length,
+    /// Cancelled: the client left, or the server is shutting down.
+    Abort,
+}
+
+impl Finish {
+    /// The OpenAI / vLLM spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+            Finish::Abort => "abort",
+        }
+    }
+}
+
+impl fmt::Display for Finish {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Facts about a model that callers need without knowing its architecture.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ModelInfo {

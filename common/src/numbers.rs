@@ -36,6 +36,68 @@ impl Row {
         self.prediction = prediction.into();
         self
     }
+
+    /// A timing as the two rows the measurement rule asks for:
+    /// "<metric>, median" and "<metric>, p95" (never one of them alone).
+    /// `prediction` goes on the median row.
+    pub fn median_p95(
+        metric: impl AsRef<str>,
+        median: f64,
+        p95: f64,
+        unit: &str,
+        prediction: impl Into<String>,
+    ) -> [Row; 2] {
+        let m = metric.as_ref();
+        [
+            Row::new(format!("{m}, median"), median, unit).predicted(prediction),
+            Row::new(format!("{m}, p95"), p95, unit),
+        ]
+    }
+
+    /// A rate (`work` per second, e.g. tokens or FLOPs) from repeated
+    /// timings: the rate at the median time and at the p95 time (the slow
+    /// tail, so the lower rate), as two rows.
+    pub fn rate_median_p95(
+        metric: impl AsRef<str>,
+        work: f64,
+        seconds: &crate::stats::Summary,
+        unit: &str,
+        prediction: impl Into<String>,
+    ) -> [Row; 2] {
+        let m = metric.as_ref();
+        [
+            Row::new(format!("{m}, at median time"), work / seconds.median, unit)
+                .predicted(prediction),
+            Row::new(format!("{m}, at p95 time"), work / seconds.p95, unit),
+        ]
+    }
+
+    /// Rates measured directly (one per run, e.g. tok/s of each run): their
+    /// median and their 5th percentile (the slow tail of a rate, the
+    /// counterpart of a time's p95), as two rows.
+    pub fn rates_median_p5(
+        metric: impl AsRef<str>,
+        rates: &[f64],
+        unit: &str,
+        prediction: impl Into<String>,
+    ) -> [Row; 2] {
+        let mut r = rates.to_vec();
+        r.sort_by(f64::total_cmp);
+        let m = metric.as_ref();
+        [
+            Row::new(
+                format!("{m}, median of {}", r.len()),
+                crate::stats::percentile_sorted(&r, 50.0),
+                unit,
+            )
+            .predicted(prediction),
+            Row::new(
+                format!("{m}, p5 of {} (slow tail)", r.len()),
+                crate::stats::percentile_sorted(&r, 5.0),
+                unit,
+            ),
+        ]
+    }
 }
 
 /// Appends rows for one command run.
@@ -223,6 +285,33 @@ mod tests {
         assert_eq!(civil_from_days(0), (1970, 1, 1));
         assert_eq!(civil_from_days(11_016), (2000, 2, 29));
         assert_eq!(civil_from_days(20_786), (2026, 11, 29));
+    }
+
+    #[test]
+    fn timings_come_as_median_and_p95() {
+        let [m, p] = Row::median_p95("step", 10.0, 12.5, "ms", "~10 ms");
+        assert_eq!(
+            (m.metric.as_str(), m.value, m.prediction.as_str()),
+            ("step, median", 10.0, "~10 ms")
+        );
+        assert_eq!(
+            (p.metric.as_str(), p.value, p.prediction.as_str()),
+            ("step, p95", 12.5, "")
+        );
+        let s = crate::stats::summarize(&[0.5, 0.25, 1.0]);
+        let [m, p] = Row::rate_median_p95("decode", 100.0, &s, "tok/s", "");
+        assert_eq!(
+            (m.metric.as_str(), m.value),
+            ("decode, at median time", 200.0)
+        );
+        assert!(
+            p.metric.ends_with("at p95 time") && p.value > 100.0 && p.value < 200.0,
+            "{p:?}"
+        );
+        let [m, p] = Row::rates_median_p5("tok/s", &[30.0, 10.0, 20.0], "tok/s", "");
+        assert_eq!((m.metric.as_str(), m.value), ("tok/s, median of 3", 20.0));
+        assert_eq!(p.metric, "tok/s, p5 of 3 (slow tail)");
+        assert!((p.value - 11.0).abs() < 1e-9, "{}", p.value);
     }
 
     #[test]

@@ -3,6 +3,26 @@
 use std::path::Path;
 
 use plotters::prelude::*;
+use thiserror::Error;
+
+/// Why a chart was not written.
+#[derive(Debug, Error)]
+pub enum PlotError {
+    #[error("plot {path}: no finite points to draw")]
+    Empty { path: std::path::PathBuf },
+    #[error("plot {path}: {source}")]
+    Io {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    /// The drawing backend's own error, as text (its type is generic over
+    /// the backend and not `Send`).
+    #[error("plot {path}: {msg}")]
+    Draw {
+        path: std::path::PathBuf,
+        msg: String,
+    },
+}
 
 /// One named line of (x, y) points.
 #[derive(Clone, Debug)]
@@ -96,12 +116,20 @@ pub fn line_chart(
     labels: Labels<'_>,
     series: &[Series],
     scale: Scale,
-) -> Result<(), String> {
-    let err = |e: &dyn std::fmt::Display| format!("plot {}: {e}", path.display());
+) -> Result<(), PlotError> {
+    let err = |e: &dyn std::fmt::Display| PlotError::Draw {
+        path: path.to_path_buf(),
+        msg: e.to_string(),
+    };
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| err(&e))?;
+        std::fs::create_dir_all(dir).map_err(|source| PlotError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
     }
-    let ((x0, x1), (y0, y1)) = bounds(series, scale).ok_or_else(|| err(&"no finite points"))?;
+    let ((x0, x1), (y0, y1)) = bounds(series, scale).ok_or_else(|| PlotError::Empty {
+        path: path.to_path_buf(),
+    })?;
     let root = BitMapBackend::new(path, (900, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
 
@@ -177,7 +205,10 @@ mod tests {
         line_chart(&p, labels, &s, Scale::LogLog).unwrap();
         let bytes = std::fs::read(&p).unwrap();
         assert_eq!(&bytes[1..4], b"PNG");
-        assert!(line_chart(&p, labels, &[], Scale::Linear).is_err());
+        assert!(matches!(
+            line_chart(&p, labels, &[], Scale::Linear),
+            Err(PlotError::Empty { .. })
+        ));
         std::fs::remove_dir_all(&dir).ok();
     }
 }

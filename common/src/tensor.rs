@@ -126,17 +126,22 @@ impl Tensor {
         Ok(self
             .data
             .chunks_exact(w)
-            .map(|row| {
-                let mut best = 0;
-                for (j, &v) in row.iter().enumerate() {
-                    if v > row[best] {
-                        best = j;
-                    }
-                }
-                best
-            })
+            .map(|row| argmax(row) as usize)
             .collect())
     }
+}
+
+/// Index of the largest value (the first on ties; 0 for an empty slice):
+/// greedy decoding and every "which class" question in the workspace use
+/// this one function. NaN never wins (every comparison with it is false).
+pub fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] {
+            best = i;
+        }
+    }
+    best as u32
 }
 
 #[cfg(test)]

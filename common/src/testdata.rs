@@ -1,17 +1,13 @@
-//! Deterministic pseudo-random data for tests and benchmarks (xorshift64),
-//! so no test depends on a random-number crate or on the run.
+//! Deterministic pseudo-random data for tests and benchmarks, drawn from
+//! the workspace's one generator ([`crate::rng::Rng`], SplitMix64), so no
+//! test depends on a random-number crate or on the run.
+
+use crate::rng::Rng;
 
 /// `n` values uniform in [-1, 1), the same for the same `seed`.
 pub fn uniform(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
+    let mut r = Rng::new(seed);
+    (0..n).map(|_| r.next_f32() * 2.0 - 1.0).collect()
 }
 
 #[cfg(test)]

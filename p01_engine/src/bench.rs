@@ -13,7 +13,7 @@ use common::stats::{summarize, time_it, BenchConfig, Summary};
 use common::Tensor;
 
 use crate::graph::CompileOptions;
-use crate::{Engine, LoadOptions, Workspace};
+use crate::{Graph, LoadOptions, Workspace};
 
 /// One batch size's timing (seconds per call).
 #[derive(Clone, Copy, Debug)]
@@ -51,7 +51,7 @@ fn image_pool(images: &Tensor, n: usize) -> Vec<f32> {
 }
 
 /// Time `engine` at each batch size (one workspace, warmed per batch).
-pub fn sweep_ours(engine: &Engine, pool: &[f32], batches: &[usize]) -> Result<Vec<Point>> {
+pub fn sweep_ours(engine: &Graph, pool: &[f32], batches: &[usize]) -> Result<Vec<Point>> {
     let mut ws = Workspace::default();
     let mut out = Vec::new();
     for &b in batches {
@@ -194,10 +194,10 @@ pub fn load_times(dir: &Path, reps: usize) -> Result<Vec<(String, Summary)>> {
             evict(&weights)?;
             cold_resident.push(resident_fraction(&weights)?);
             let t = Instant::now();
-            std::hint::black_box(Engine::load_with(dir, opts)?);
+            std::hint::black_box(Graph::load_with(dir, opts)?);
             cold.push(t.elapsed().as_secs_f64());
             let t = Instant::now();
-            std::hint::black_box(Engine::load_with(dir, opts)?);
+            std::hint::black_box(Graph::load_with(dir, opts)?);
             warm.push(t.elapsed().as_secs_f64());
         }
         out.push((format!("load {kind} cold"), summarize(&cold)));
@@ -223,8 +223,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         },
         ..LoadOptions::default()
     };
-    let fused = Engine::load_with(&args.model_dir, opts(true))?;
-    let unfused = Engine::load_with(&args.model_dir, opts(false))?;
+    let fused = Graph::load_with(&args.model_dir, opts(true))?;
+    let unfused = Graph::load_with(&args.model_dir, opts(false))?;
     let stats = fused.stats();
     println!(
         "model: {} params, {} weight bytes, {} linear FLOPs/image (+{} elementwise), kernel {:?}, {} threads",
@@ -252,6 +252,16 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             torch_version = v;
         }
     }
+    // PyTorch time / ours per round (each round runs both back to back), per
+    // batch index: the ratio's median and p95 come from these pairs.
+    let ratio_rounds: Vec<Vec<f64>> = (0..args.batches.len())
+        .map(|i| {
+            ours.iter()
+                .zip(&torch)
+                .filter_map(|(o, t)| Some(t.get(i)?.median_s / o.get(i)?.median_s))
+                .collect()
+        })
+        .collect();
     let ours = combine(&ours);
     let plain = combine(&plain);
     let torch = combine(&torch);
@@ -366,44 +376,50 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             _ => "",
         };
         for (i, p) in ours.iter().enumerate() {
-            rows.push(
-                Row::new(
-                    format!("p01 mlp b={} latency median (ours)", p.batch),
-                    p.median_s * 1e6,
-                    "us",
-                )
-                .predicted(pred(p.batch)),
-            );
-            rows.push(Row::new(
-                format!("p01 mlp b={} latency median (unfused)", p.batch),
-                plain[i].median_s * 1e6,
+            rows.extend(Row::median_p95(
+                format!("p01 mlp b={} latency (ours)", p.batch),
+                p.median_s * 1e6,
+                p.p95_s * 1e6,
                 "us",
+                pred(p.batch),
+            ));
+            rows.extend(Row::median_p95(
+                format!("p01 mlp b={} latency (unfused)", p.batch),
+                plain[i].median_s * 1e6,
+                plain[i].p95_s * 1e6,
+                "us",
+                "",
             ));
             if let Some(t) = torch.get(i) {
-                rows.push(Row::new(
-                    format!("p01 mlp b={} latency median (PyTorch)", p.batch),
+                rows.extend(Row::median_p95(
+                    format!("p01 mlp b={} latency (PyTorch)", p.batch),
                     t.median_s * 1e6,
+                    t.p95_s * 1e6,
                     "us",
+                    "",
                 ));
                 let goal = match p.batch {
                     1 => "target > 1 (beat PyTorch at batch 1)",
                     1024 => "target >= 0.5",
                     _ => "",
                 };
-                rows.push(
-                    Row::new(
-                        format!("p01 mlp b={} speed ratio PyTorch/ours", p.batch),
-                        t.median_s / p.median_s,
-                        "x",
-                    )
-                    .predicted(goal),
-                );
+                let r = summarize(&ratio_rounds[i]);
+                rows.extend(Row::median_p95(
+                    format!(
+                        "p01 mlp b={} speed ratio PyTorch/ours, per-pair ratio",
+                        p.batch
+                    ),
+                    r.median,
+                    r.p95,
+                    "x",
+                    goal,
+                ));
             }
         }
         for &(b, alloc, reuse) in &alloc_rows {
             rows.push(
                 Row::new(
-                    format!("p01 mlp b={b} allocating forward / forward_into"),
+                    format!("p01 mlp b={b} allocating forward / forward_into (ratio of medians)"),
                     alloc / reuse,
                     "x",
                 )
@@ -412,10 +428,13 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         }
         for (name, s) in &loads {
             if !name.starts_with("page") {
-                rows.push(
-                    Row::new(format!("p01 mlp {name} median"), s.median * 1e3, "ms")
-                        .predicted("cold > warm; mmap ~ read at 1 MB"),
-                );
+                rows.extend(Row::median_p95(
+                    format!("p01 mlp {name}"),
+                    s.median * 1e3,
+                    s.p95 * 1e3,
+                    "ms",
+                    "cold > warm; mmap ~ read at 1 MB",
+                ));
             }
         }
         Recorder::for_workspace(&args.command).append(&rows)?;

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::Tensor;
 
-use crate::error::EngineError;
+use crate::error::GraphError;
 use crate::graph::{compile, CompileOptions, Plan, Slot, Step};
 use crate::linear::Activation;
 use crate::ops;
@@ -49,9 +49,11 @@ pub struct ModelStats {
     pub other_flops_per_example: usize,
 }
 
-/// A loaded model.
+/// A loaded model: the compiled graph of `model.json` with its packed
+/// weights, ready to run (named `Graph`, not `Engine`: the request-level
+/// `Engine` seam of the servers is another concept).
 #[derive(Debug)]
-pub struct Engine {
+pub struct Graph {
     plan: Plan,
     threads: usize,
     pub dir: PathBuf,
@@ -65,22 +67,22 @@ pub struct Workspace {
     bufs: Vec<Vec<f32>>,
 }
 
-impl Engine {
+impl Graph {
     /// Load `dir/model.json` and `dir/weights.safetensors` with default options.
-    pub fn load(dir: impl AsRef<Path>) -> Result<Engine, EngineError> {
+    pub fn load(dir: impl AsRef<Path>) -> Result<Graph, GraphError> {
         Self::load_with(dir, LoadOptions::default())
     }
 
-    pub fn load_with(dir: impl AsRef<Path>, opts: LoadOptions) -> Result<Engine, EngineError> {
+    pub fn load_with(dir: impl AsRef<Path>, opts: LoadOptions) -> Result<Graph, GraphError> {
         let t0 = Instant::now();
         let dir = dir.as_ref();
         let graph_path = dir.join("model.json");
         let weights_path = dir.join("weights.safetensors");
-        let json = std::fs::read_to_string(&graph_path).map_err(|source| EngineError::Io {
+        let json = std::fs::read_to_string(&graph_path).map_err(|source| GraphError::Io {
             path: graph_path.clone(),
             source,
         })?;
-        let io_err = |source| EngineError::Io {
+        let io_err = |source| GraphError::Io {
             path: weights_path.clone(),
             source,
         };
@@ -97,7 +99,7 @@ impl Engine {
             common::st::parse(&bytes, &weights_path)?
         };
         let plan = compile(&json, &graph_path, &weights, opts.compile)?;
-        Ok(Engine {
+        Ok(Graph {
             plan,
             threads: opts.threads.max(1),
             dir: dir.to_path_buf(),
@@ -146,8 +148,8 @@ impl Engine {
     }
 
     /// Run a batch: `input` is (batch, input_shape...). Allocates its buffers;
-    /// use [`Engine::forward_into`] in loops.
-    pub fn forward(&self, input: &Tensor) -> Result<Tensor, EngineError> {
+    /// use [`Graph::forward_into`] in loops.
+    pub fn forward(&self, input: &Tensor) -> Result<Tensor, GraphError> {
         let mut ws = Workspace::default();
         let batch = self.check_input(input.shape())?;
         let out = self.forward_into(&mut ws, input.data(), batch)?;
@@ -157,10 +159,10 @@ impl Engine {
     }
 
     /// Check an input shape against (batch, input_shape...) and return batch.
-    pub fn check_input(&self, shape: &[usize]) -> Result<usize, EngineError> {
+    pub fn check_input(&self, shape: &[usize]) -> Result<usize, GraphError> {
         match shape.split_first() {
             Some((&b, rest)) if rest == self.plan.input_shape.as_slice() => Ok(b),
-            _ => Err(EngineError::Input {
+            _ => Err(GraphError::Input {
                 expected: self.plan.input_shape.clone(),
                 found: shape.to_vec(),
             }),
@@ -175,10 +177,10 @@ impl Engine {
         ws: &'w mut Workspace,
         input: &[f32],
         batch: usize,
-    ) -> Result<&'w [f32], EngineError> {
+    ) -> Result<&'w [f32], GraphError> {
         let per_example: usize = self.plan.input_shape.iter().product();
         if Some(input.len()) != batch.checked_mul(per_example) {
-            return Err(EngineError::Input {
+            return Err(GraphError::Input {
                 expected: self.plan.input_shape.clone(),
                 found: vec![batch, input.len() / per_example.max(1)],
             });
@@ -223,7 +225,7 @@ impl Engine {
                 Step::Embedding { table, dim } => {
                     if let Err(source) = ops::embedding_rows(x, table, *dim, &mut y) {
                         ws.bufs[node.output] = y;
-                        return Err(EngineError::Op {
+                        return Err(GraphError::Op {
                             node: node.label.clone(),
                             source,
                         });

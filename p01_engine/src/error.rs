@@ -20,7 +20,7 @@ pub enum OpError {
 }
 
 #[derive(Debug, Error)]
-pub enum EngineError {
+pub enum GraphError {
     #[error("{path}: cannot read: {source}")]
     Io {
         path: PathBuf,

@@ -18,7 +18,7 @@ use common::st::StFile;
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::error::EngineError;
+use crate::error::GraphError;
 use crate::linear::{Activation, Linear};
 use crate::ops::GeluApprox;
 
@@ -146,12 +146,12 @@ pub fn compile(
     path: &Path,
     weights: &StFile,
     opts: CompileOptions,
-) -> Result<Plan, EngineError> {
-    let g: GraphFile = serde_json::from_str(json).map_err(|source| EngineError::Json {
+) -> Result<Plan, GraphError> {
+    let g: GraphFile = serde_json::from_str(json).map_err(|source| GraphError::Json {
         path: path.to_path_buf(),
         source,
     })?;
-    let graph_err = |msg: String| EngineError::Graph {
+    let graph_err = |msg: String| GraphError::Graph {
         path: path.to_path_buf(),
         msg,
     };
@@ -284,15 +284,15 @@ struct NodeCtx<'a> {
 }
 
 impl NodeCtx<'_> {
-    fn err(&self, msg: String) -> EngineError {
-        EngineError::Node {
+    fn err(&self, msg: String) -> GraphError {
+        GraphError::Node {
             path: PathBuf::from(self.path),
             node: self.label.to_string(),
             msg,
         }
     }
 
-    fn check_params(&self, allowed: &[&str]) -> Result<(), EngineError> {
+    fn check_params(&self, allowed: &[&str]) -> Result<(), GraphError> {
         for k in self.spec.params.keys() {
             if !allowed.contains(&k.as_str()) {
                 return Err(self.err(format!("unknown param `{k}`; allowed: {allowed:?}")));
@@ -301,7 +301,7 @@ impl NodeCtx<'_> {
         Ok(())
     }
 
-    fn param_str(&self, key: &str) -> Result<Option<&str>, EngineError> {
+    fn param_str(&self, key: &str) -> Result<Option<&str>, GraphError> {
         match self.spec.params.get(key) {
             None | Some(Value::Null) => Ok(None),
             Some(Value::String(s)) => Ok(Some(s)),
@@ -316,7 +316,7 @@ impl NodeCtx<'_> {
         key: &str,
         expected: &[Option<usize>],
         used: &mut BTreeMap<String, usize>,
-    ) -> Result<&common::Tensor, EngineError> {
+    ) -> Result<&common::Tensor, GraphError> {
         let name = self
             .param_str(key)?
             .ok_or_else(|| self.err(format!("missing param `{key}` (a tensor name)")))?;
@@ -351,7 +351,7 @@ impl NodeCtx<'_> {
         in_shape: &[usize],
         ins: &[(Slot, Vec<usize>)],
         used: &mut BTreeMap<String, usize>,
-    ) -> Result<(Step, Vec<usize>), EngineError> {
+    ) -> Result<(Step, Vec<usize>), GraphError> {
         let width = in_shape.last().copied();
         let need_width = || {
             width.ok_or_else(|| {

@@ -1,8 +1,8 @@
 //! Project 01: a forward pass is array math.
 //!
 //! A model is a list of ops over named values (`model.json`) plus weights
-//! (`weights.safetensors`). [`Engine::load`] validates the whole graph against
-//! the weights, packs the linear layers once, and [`Engine::forward`] runs a
+//! (`weights.safetensors`). [`Graph::load`] validates the whole graph against
+//! the weights, packs the linear layers once, and [`Graph::forward`] runs a
 //! batch through it. Every op has a PyTorch parity test; `linear` has a
 //! register-blocked AVX2 path beside its naive reference.
 
@@ -14,8 +14,8 @@ pub mod graph;
 pub mod linear;
 pub mod ops;
 
-pub use engine::{Engine, LoadOptions, ModelStats, Workspace};
-pub use error::{EngineError, OpError};
+pub use engine::{Graph, LoadOptions, ModelStats, Workspace};
+pub use error::{GraphError, OpError};
 
 /// The committed fixtures directory of this crate.
 pub fn fixtures_dir() -> std::path::PathBuf {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use common::compare::diff;
-use p01_engine::{bench, Engine};
+use p01_engine::{bench, Graph};
 
 #[derive(Parser, Debug)]
 #[command(about = "Project 01: a from-scratch forward pass that matches PyTorch")]
@@ -91,7 +91,7 @@ fn main() -> Result<()> {
 
 /// Run every test digit through the engine and compare with PyTorch.
 fn parity(model_dir: &std::path::Path, data: &std::path::Path, threads: usize) -> Result<()> {
-    let engine = Engine::load_with(
+    let engine = Graph::load_with(
         model_dir,
         p01_engine::LoadOptions {
             threads,

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use common::Tensor;
-use p01_engine::{Engine, EngineError};
+use p01_engine::{Graph, GraphError};
 use serde_json::{json, Value};
 
 /// A scratch copy of the MLP fixture whose model.json is `edit`ed.
@@ -44,7 +44,7 @@ impl Drop for Scratch {
 
 fn load_err(tag: &str, edit: impl FnOnce(&mut Value)) -> String {
     let s = Scratch::new(tag, edit);
-    match Engine::load(s.path()) {
+    match Graph::load(s.path()) {
         Ok(_) => panic!("{tag}: a bad model loaded"),
         Err(e) => e.to_string(),
     }
@@ -137,8 +137,8 @@ fn wiring_errors() {
 fn missing_and_truncated_weights_name_the_file() {
     let s = Scratch::new("missing", |_| {});
     std::fs::remove_file(s.path().join("weights.safetensors")).unwrap();
-    let e = Engine::load(s.path()).unwrap_err();
-    assert!(matches!(e, EngineError::Io { .. }), "{e}");
+    let e = Graph::load(s.path()).unwrap_err();
+    assert!(matches!(e, GraphError::Io { .. }), "{e}");
     assert_mentions(&e.to_string(), &["weights.safetensors"]);
 
     let full = std::fs::read(p01_engine::fixtures_dir().join("mlp/weights.safetensors")).unwrap();
@@ -155,8 +155,8 @@ fn missing_and_truncated_weights_name_the_file() {
         full.len() - 1,
     ] {
         std::fs::write(s.path().join("weights.safetensors"), &full[..cut]).unwrap();
-        let e = Engine::load(s.path()).unwrap_err();
-        assert!(matches!(e, EngineError::Weights(_)), "cut {cut}: {e}");
+        let e = Graph::load(s.path()).unwrap_err();
+        assert!(matches!(e, GraphError::Weights(_)), "cut {cut}: {e}");
         assert_mentions(&e.to_string(), &["weights.safetensors"]);
     }
 }
@@ -167,13 +167,8 @@ fn random_corruption_never_panics() {
     let json = std::fs::read(src.join("model.json")).unwrap();
     let weights = std::fs::read(src.join("weights.safetensors")).unwrap();
     let s = Scratch::new("flip", |_| {});
-    let mut state = 0x2545_F491_4F6C_DD1Du64;
-    let mut next = || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut rng = common::rng::Rng::new(0x2545_F491_4F6C_DD1D);
+    let mut next = || rng.next_u64();
     let mut errors = 0;
     for i in 0..200 {
         let (mut j, mut w) = (json.clone(), weights[..4096].to_vec());
@@ -189,7 +184,7 @@ fn random_corruption_never_panics() {
         w.extend_from_slice(&weights[4096..]);
         std::fs::write(s.path().join("model.json"), &j).unwrap();
         std::fs::write(s.path().join("weights.safetensors"), &w).unwrap();
-        if Engine::load(s.path()).is_err() {
+        if Graph::load(s.path()).is_err() {
             errors += 1;
         }
     }
@@ -201,11 +196,11 @@ fn random_corruption_never_panics() {
 
 #[test]
 fn input_of_the_wrong_shape_is_an_error() {
-    let engine = Engine::load(p01_engine::fixtures_dir().join("mlp")).unwrap();
+    let engine = Graph::load(p01_engine::fixtures_dir().join("mlp")).unwrap();
     for shape in [vec![2, 783], vec![784], vec![1, 28, 28]] {
         let x = Tensor::zeros(shape.clone()).unwrap();
         match engine.forward(&x) {
-            Err(EngineError::Input { expected, found }) => {
+            Err(GraphError::Input { expected, found }) => {
                 assert_eq!((expected, found), (vec![784], shape));
             }
             other => panic!("{shape:?}: {other:?}"),
@@ -218,7 +213,7 @@ fn input_of_the_wrong_shape_is_an_error() {
 
 #[test]
 fn out_of_range_embedding_id_is_an_error_naming_the_node() {
-    let engine = Engine::load(p01_engine::fixtures_dir().join("every_op")).unwrap();
+    let engine = Graph::load(p01_engine::fixtures_dir().join("every_op")).unwrap();
     let mut ids = vec![1.0f32; 8];
     ids[5] = 50.0; // vocab is 50
     let e = engine

@@ -5,7 +5,7 @@ use common::compare::check_close;
 use common::st;
 use common::Tensor;
 use p01_engine::graph::CompileOptions;
-use p01_engine::{Engine, LoadOptions, Workspace};
+use p01_engine::{Graph, LoadOptions, Workspace};
 
 /// The seed's bar: max|diff| < 1e-5 on the logits.
 const LOGITS_ATOL: f32 = 1e-5;
@@ -33,7 +33,7 @@ fn mlp_matches_pytorch_on_1000_digits_every_configuration() {
                     },
                     threads,
                 };
-                let engine = Engine::load_with(&dir, opts).unwrap();
+                let engine = Graph::load_with(&dir, opts).unwrap();
                 let logits = engine.forward(&images).unwrap();
                 let what = format!("mlp logits (mmap {mmap}, fuse {fuse}, threads {threads})");
                 let d = check_close(&what, &logits, &expected, LOGITS_ATOL, 0.0)
@@ -61,7 +61,7 @@ fn mlp_matches_pytorch_on_1000_digits_every_configuration() {
 #[test]
 fn mlp_batch_one_equals_batched_rows() {
     let (images, _, expected) = mnist();
-    let engine = Engine::load(p01_engine::fixtures_dir().join("mlp")).unwrap();
+    let engine = Graph::load(p01_engine::fixtures_dir().join("mlp")).unwrap();
     let mut ws = Workspace::default();
     for i in [0usize, 1, 499, 999] {
         let y = engine
@@ -98,7 +98,7 @@ fn every_op_graph_matches_pytorch() {
             },
             ..LoadOptions::default()
         };
-        let engine = Engine::load_with(&dir, opts).unwrap();
+        let engine = Graph::load_with(&dir, opts).unwrap();
         let probs = engine.forward(io.tensor("ids").unwrap()).unwrap();
         check_close(
             "every_op probs",
@@ -113,7 +113,7 @@ fn every_op_graph_matches_pytorch() {
 
 #[test]
 fn stats_are_derived_from_the_graph() {
-    let engine = Engine::load(p01_engine::fixtures_dir().join("mlp")).unwrap();
+    let engine = Graph::load(p01_engine::fixtures_dir().join("mlp")).unwrap();
     let s = engine.stats();
     // 784*256+256 + 256*128+128 + 128*10+10
     assert_eq!(s.n_params, 235_146);

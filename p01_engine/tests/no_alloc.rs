@@ -3,7 +3,7 @@
 
 use common::alloc_count::count as allocs;
 use p01_engine::graph::CompileOptions;
-use p01_engine::{Engine, LoadOptions, Workspace};
+use p01_engine::{Graph, LoadOptions, Workspace};
 
 #[global_allocator]
 static GLOBAL: common::alloc_count::Counting = common::alloc_count::Counting;
@@ -18,7 +18,7 @@ fn forward_into_allocates_nothing_after_warmup() {
             },
             ..LoadOptions::default()
         };
-        let engine = Engine::load_with(p01_engine::fixtures_dir().join(model), opts).unwrap();
+        let engine = Graph::load_with(p01_engine::fixtures_dir().join(model), opts).unwrap();
         let per: usize = engine.input_shape().iter().product();
         // Small integers: valid MNIST-like pixels scaled up and valid embedding ids.
         let input: Vec<f32> = (0..64 * per).map(|i| (i % 7) as f32).collect();

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use common::numbers::{Recorder, Row};
 use common::plot::{line_chart, Labels, Scale, Series};
-use common::stats::{time_it, BenchConfig};
+use common::stats::{time_it, BenchConfig, Summary};
 use std::time::Duration;
 
 use crate::ceilings::{bandwidth, peak_gflops, Bandwidth};
@@ -46,11 +46,14 @@ pub struct SweepArgs {
 struct Point {
     name: String,
     n: usize,
+    /// At the median time.
     gflops: f64,
+    /// Seconds per call (median and p95 for the numbers.md rows).
+    secs: Summary,
 }
 
-/// Median seconds per call, with fewer samples for long calls.
-fn median_s(flops: f64, f: impl FnMut()) -> f64 {
+/// Seconds per call (median, p95, ...), with fewer samples for long calls.
+fn time_s(flops: f64, f: impl FnMut()) -> Summary {
     let cfg = if flops > 1e10 {
         BenchConfig {
             warmup_iters: 1,
@@ -73,7 +76,7 @@ fn median_s(flops: f64, f: impl FnMut()) -> f64 {
             max_samples: 2000,
         }
     };
-    time_it(cfg, f).median
+    time_it(cfg, f)
 }
 
 /// Largest N each slow variant is run at (they would take minutes beyond).
@@ -98,12 +101,16 @@ fn square_sweep(sizes: &[usize], threads: usize) -> Vec<Point> {
         let bv = MatRef::row_major(&b, n, n).expect("sized");
         let mut run = |name: &str, f: &mut dyn FnMut(&mut [f32])| {
             if n <= cap(name) {
-                let s = median_s(flops, || f(&mut c));
-                eprintln!("  n {n:>5} {name:<26} {:>8.2} GFLOP/s", flops / s / 1e9);
+                let s = time_s(flops, || f(&mut c));
+                eprintln!(
+                    "  n {n:>5} {name:<26} {:>8.2} GFLOP/s",
+                    flops / s.median / 1e9
+                );
                 pts.push(Point {
                     name: name.to_string(),
                     n,
-                    gflops: flops / s / 1e9,
+                    gflops: flops / s.median / 1e9,
+                    secs: s,
                 });
             }
         };
@@ -159,8 +166,8 @@ fn square_sweep(sizes: &[usize], threads: usize) -> Vec<Point> {
     pts
 }
 
-/// (name, m, k, n, threads, seconds) for y = x W^T at the SmolLM2 shapes.
-fn transformer_shapes(threads: usize) -> Vec<(String, usize, usize, usize, usize, f64)> {
+/// (name, m, k, n, threads, seconds per call) for y = x W^T at the SmolLM2 shapes.
+fn transformer_shapes(threads: usize) -> Vec<(String, usize, usize, usize, usize, Summary)> {
     let mut out = Vec::new();
     for (name, k, n) in SMOLLM2_LINEARS {
         let w = common::testdata::uniform(n * k, 3);
@@ -169,7 +176,7 @@ fn transformer_shapes(threads: usize) -> Vec<(String, usize, usize, usize, usize
             let mut y = vec![0.0f32; m * n];
             for t in [1, threads] {
                 let flops = 2.0 * (m * k * n) as f64;
-                let s = median_s(flops, || {
+                let s = time_s(flops, || {
                     crate::linear(&x, m, &w, n, None, &mut y, t).expect("shapes")
                 });
                 out.push((name.to_string(), m, k, n, t, s));
@@ -253,11 +260,8 @@ pub fn run(args: &SweepArgs) -> Result<()> {
     let mlp_rows = crate::sweep_mlp::run_mlp(t, args.python)?;
 
     // ---- Report ----
-    let gf = |name: &str, n: usize| {
-        pts.iter()
-            .find(|p| p.name == name && p.n == n)
-            .map(|p| p.gflops)
-    };
+    let point = |name: &str, n: usize| pts.iter().find(|p| p.name == name && p.n == n);
+    let gf = |name: &str, n: usize| point(name, n).map(|p| p.gflops);
     let sg = format!("packed {t}t (sgemm)");
     let mut names: Vec<String> = Vec::new();
     for p in &pts {
@@ -302,15 +306,21 @@ pub fn run(args: &SweepArgs) -> Result<()> {
         }
     }
     println!("\nbest variant vs ceilings and peers:");
+    // Ceilings are best-of-N by design (STREAM's convention): see ceilings.rs.
     let mut rows: Vec<Row> = vec![
-        Row::new("p02 peak FMA 1 thread", peak1, "GFLOP/s")
+        Row::new("p02 peak FMA 1 thread (best of 3)", peak1, "GFLOP/s")
             .predicted("~96 (2 FMA x 8 lanes x 2 x ~3 GHz)"),
-        Row::new(format!("p02 peak FMA {t} threads"), peak_t, "GFLOP/s").predicted("2x one thread"),
+        Row::new(
+            format!("p02 peak FMA {t} threads (best of 3)"),
+            peak_t,
+            "GFLOP/s",
+        )
+        .predicted("2x one thread"),
     ];
     for b in &bws {
         rows.push(Row::new(
             format!(
-                "p02 {} bandwidth {} MB {}t",
+                "p02 {} bandwidth {} MB {}t (best of 5)",
                 b.kind,
                 b.bytes_per_array >> 20,
                 b.threads
@@ -320,9 +330,11 @@ pub fn run(args: &SweepArgs) -> Result<()> {
         ));
     }
     for &n in &args.sizes {
-        let (Some(one), Some(two)) = (gf("packed 1t", n), gf(&sg, n)) else {
+        let (Some(p1), Some(pt)) = (point("packed 1t", n), point(&sg, n)) else {
             continue;
         };
+        let (one, two) = (p1.gflops, pt.gflops);
+        let gflop = 2.0 * (n as f64).powi(3) / 1e9;
         let mut peers: Vec<(String, f64)> = Vec::new();
         for (name, g) in pts
             .iter()
@@ -357,42 +369,50 @@ pub fn run(args: &SweepArgs) -> Result<()> {
                 two / p.1
             ))
         );
-        rows.push(
-            Row::new(format!("p02 sgemm N={n} 1t"), one, "GFLOP/s").predicted(if n >= 1024 {
-                ">= 85% of 1t peak"
-            } else {
-                ""
-            }),
-        );
+        rows.extend(Row::rate_median_p95(
+            format!("p02 sgemm N={n} 1t"),
+            gflop,
+            &p1.secs,
+            "GFLOP/s",
+            if n >= 1024 { ">= 85% of 1t peak" } else { "" },
+        ));
         rows.push(Row::new(
             format!("p02 sgemm N={n} 1t % of peak"),
             100.0 * one / peak1,
             "%",
         ));
-        rows.push(
-            Row::new(format!("p02 sgemm N={n} {t}t"), two, "GFLOP/s").predicted(if n >= 1024 {
-                ">= 1.8x 1t"
-            } else {
-                ""
-            }),
-        );
-        rows.push(Row::new(format!("p02 sgemm N={n} {t}t/1t"), two / one, "x"));
+        rows.extend(Row::rate_median_p95(
+            format!("p02 sgemm N={n} {t}t"),
+            gflop,
+            &pt.secs,
+            "GFLOP/s",
+            if n >= 1024 { ">= 1.8x 1t" } else { "" },
+        ));
+        rows.push(Row::new(
+            format!("p02 sgemm N={n} {t}t/1t (ratio of medians)"),
+            two / one,
+            "x",
+        ));
         for (name, g) in &peers {
             let ours = if name.ends_with(" 1t") { one } else { two };
             rows.push(
-                Row::new(format!("p02 sgemm N={n} ours/{name}"), ours / g, "x").predicted(
-                    if name == &format!("torch {t}t") && n >= 1024 {
-                        ">= 1"
-                    } else {
-                        ""
-                    },
-                ),
+                Row::new(
+                    format!("p02 sgemm N={n} ours/{name} (ratio of medians)"),
+                    ours / g,
+                    "x",
+                )
+                .predicted(if name == &format!("torch {t}t") && n >= 1024 {
+                    ">= 1"
+                } else {
+                    ""
+                }),
             );
         }
     }
 
     println!("\nSmolLM2 shapes, y = x W^T (W stored (out, in)); M = 1: GB/s of weights and % of the read bandwidth measured at the same size and threads; M = 256: GFLOP/s");
-    for (name, m, k, n, threads, s) in &shapes {
+    for (name, m, k, n, threads, secs) in &shapes {
+        let s = secs.median;
         let bytes = k * n * 4;
         let py_s = py.iter().find(|p| p.threads == *threads).and_then(|p| {
             p.linear
@@ -421,19 +441,24 @@ pub fn run(args: &SweepArgs) -> Result<()> {
                 .predicted(if bytes > 512 << 10 { ">= 80%" } else { "" }),
             );
         } else {
-            let g = 2.0 * (m * k * n) as f64 / s / 1e9;
+            let gflop = 2.0 * (m * k * n) as f64 / 1e9;
+            let g = gflop / s;
             println!(
                 "  {name:<18} M=256 {k:>5}x{n:<6} {threads}t {:>9.1} us {g:>6.1} GFLOP/s{peer}",
                 s * 1e6
             );
-            rows.push(Row::new(
+            rows.extend(Row::rate_median_p95(
                 format!("p02 linear M=256 {name} {k}x{n} {threads}t"),
-                g,
+                gflop,
+                secs,
                 "GFLOP/s",
+                "",
             ));
             if let Some(l) = py_s {
                 rows.push(Row::new(
-                    format!("p02 linear M=256 {name} {threads}t torch/ours time"),
+                    format!(
+                        "p02 linear M=256 {name} {threads}t torch/ours time (ratio of medians)"
+                    ),
                     l.4 / s,
                     "x",
                 ));
@@ -501,7 +526,7 @@ fn roofline(
     t: usize,
     pts: &[Point],
     sg: &str,
-    shapes: &[(String, usize, usize, usize, usize, f64)],
+    shapes: &[(String, usize, usize, usize, usize, Summary)],
 ) -> Result<()> {
     let xs: Vec<f64> = (0..=40)
         .map(|i| 10f64.powf(-1.5 + i as f64 * 0.125))
@@ -537,7 +562,9 @@ fn roofline(
         shapes
             .iter()
             .filter(|x| x.1 == m && x.4 == t)
-            .map(|(_, m, k, n, _, sec)| (ai(*m, *k, *n), 2.0 * (m * k * n) as f64 / sec / 1e9))
+            .map(|(_, m, k, n, _, sec)| {
+                (ai(*m, *k, *n), 2.0 * (m * k * n) as f64 / sec.median / 1e9)
+            })
             .collect()
     };
     s.push(Series::new(format!("SmolLM2 linears M=256 {t}t"), lin(256)));

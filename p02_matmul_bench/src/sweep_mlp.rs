@@ -31,9 +31,9 @@ pub fn run_mlp(threads: usize, python: bool) -> Result<Vec<Row>> {
         let s = time_it(BenchConfig::default(), || {
             std::hint::black_box(mlp.forward(x, b, &mut bufs, threads).expect("shapes"));
         });
-        ours.push(s.median);
+        ours.push(s);
     }
-    let engine = p01_engine::Engine::load_with(
+    let engine = p01_engine::Graph::load_with(
         &model_dir,
         p01_engine::LoadOptions {
             threads,
@@ -66,10 +66,10 @@ pub fn run_mlp(threads: usize, python: bool) -> Result<Vec<Row>> {
         let t = torch.as_ref().map(|t| t[i].median_s);
         println!(
             "{b:>6} {:>9.1} us {:>9.1} us {:>12} {:>7}",
-            ours[i] * 1e6,
+            ours[i].median * 1e6,
             p01[i].median_s * 1e6,
             t.map_or("-".into(), |t| format!("{:.1} us", t * 1e6)),
-            t.map_or("-".into(), |t| format!("{:.2}", t / ours[i]))
+            t.map_or("-".into(), |t| format!("{:.2}", t / ours[i].median))
         );
         if let Some(t) = t {
             if b == 1 || b == 256 || b == 1024 {
@@ -80,8 +80,8 @@ pub fn run_mlp(threads: usize, python: bool) -> Result<Vec<Row>> {
                 };
                 rows.push(
                     Row::new(
-                        format!("p02 mnist mlp b={b} PyTorch/sgemm time"),
-                        t / ours[i],
+                        format!("p02 mnist mlp b={b} PyTorch/sgemm time (ratio of medians)"),
+                        t / ours[i].median,
                         "x",
                     )
                     .predicted(goal),
@@ -89,10 +89,12 @@ pub fn run_mlp(threads: usize, python: bool) -> Result<Vec<Row>> {
             }
         }
         if b == 1 || b == 256 || b == 1024 {
-            rows.push(Row::new(
+            rows.extend(Row::median_p95(
                 format!("p02 mnist mlp b={b} sgemm latency"),
-                ours[i] * 1e6,
+                ours[i].median * 1e6,
+                ours[i].p95 * 1e6,
                 "us",
+                "",
             ));
         }
     }

@@ -7,12 +7,12 @@
 //! missing; the error names the command when it cannot be fetched).
 
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
-use p04_transformer::model::Model;
+use p04_transformer::model::Transformer;
 
 fn smollm2() -> p04_transformer::model::Loaded {
     let path = common::assets::ensure(common::assets::Asset::SmolLm2)
         .unwrap_or_else(|e| panic!("SmolLM2 is needed: {e}"));
-    Model::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    Transformer::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 /// An English paragraph (about 1 KB): the prompt-shaped case.

@@ -11,7 +11,7 @@ use common::plot::{line_chart, Labels, Scale, Series};
 use common::stats::{time_it, BenchConfig};
 
 use crate::llama::{Llama, Profile};
-use crate::model::Model;
+use crate::model::Transformer;
 
 /// FLOPs of one full forward over `t` tokens: 2 per multiply-add of every
 /// weight matrix (head included) per token, plus causal attention
@@ -27,8 +27,8 @@ pub fn predicted_flops(m: &Llama, t: usize) -> f64 {
     2.0 * weights * t + 2.0 * d * c.n_layer as f64 * t * (t + 1.0)
 }
 
-pub fn run(model: &Model, seqs: &[usize], record: bool, command: &str) -> Result<()> {
-    let Model::Llama(m) = model else {
+pub fn run(model: &Transformer, seqs: &[usize], record: bool, command: &str) -> Result<()> {
+    let Transformer::Llama(m) = model else {
         anyhow::bail!("bench runs on a Llama-family model (a GGUF file)")
     };
     let mut rows = Vec::new();
@@ -80,23 +80,27 @@ pub fn run(model: &Model, seqs: &[usize], record: bool, command: &str) -> Result
         );
         total_pts.push((t as f64, s.median * 1e3));
         att_pts.push((t as f64, att * 1e3));
-        rows.push(
-            Row::new(format!("p04 smollm2 forward seq={t}"), s.median * 1e3, "ms").predicted(
-                match t {
-                    16 => "~45 ms (8.6 GFLOP at ~100 GFLOP/s, small M)",
-                    1024 => "~4-6 s (275 GFLOP matmuls + 36 GFLOP attention at ~10 GFLOP/s)",
-                    _ => "",
-                },
-            ),
-        );
+        rows.extend(Row::median_p95(
+            format!("p04 smollm2 forward seq={t}"),
+            s.median * 1e3,
+            s.p95 * 1e3,
+            "ms",
+            match t {
+                16 => "~45 ms (8.6 GFLOP at ~100 GFLOP/s, small M)",
+                1024 => "~4-6 s (275 GFLOP matmuls + 36 GFLOP attention at ~10 GFLOP/s)",
+                _ => "",
+            },
+        ));
         rows.push(
             Row::new(format!("p04 smollm2 attention share seq={t}"), share, "%")
                 .predicted(if t == 1024 { "> 50%" } else { "" }),
         );
-        rows.push(Row::new(
+        rows.extend(Row::rate_median_p95(
             format!("p04 smollm2 achieved seq={t}"),
-            flops / s.median / 1e9,
+            flops / 1e9,
+            &s,
             "GFLOP/s",
+            "",
         ));
     }
     // Naive generation: 32 tokens after a 16-token prompt, recomputing everything each step.

@@ -12,6 +12,16 @@ pub enum ModelError {
     Gguf(#[from] GgufError),
     #[error(transparent)]
     Safetensors(#[from] common::st::StError),
+    #[error("{path}: cannot read: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: invalid JSON: {source}")]
+    Json {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
     #[error("{path}: {msg}")]
     Config { path: PathBuf, msg: String },
     #[error("{path}: architecture `{found}` is not supported (supported: {supported})")]
@@ -33,6 +43,8 @@ pub enum ModelError {
     Context { len: usize, ctx: usize },
     #[error("{what} needs at least one token, and was given none")]
     EmptyInput { what: &'static str },
+    #[error("projection group: {got} output buffers for {want} projections")]
+    Group { got: usize, want: usize },
     #[error("input has {len} ids, not batch {batch} x seq {seq}")]
     Input {
         len: usize,
@@ -42,6 +54,12 @@ pub enum ModelError {
     #[error("matmul: {0}")]
     Gemm(#[from] p02_matmul_bench::GemmError),
     /// A weight format refused a tensor or an input (Project 10's blocks).
-    #[error("weights `{name}`: {msg}")]
-    Weights { name: String, msg: String },
+    /// The format's own error is kept as the source (boxed: this crate
+    /// cannot name a later crate's types), so a caller can downcast it.
+    #[error("weights `{name}`: {source}")]
+    Weights {
+        name: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
 }

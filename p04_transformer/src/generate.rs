@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use crate::error::ModelError;
-use crate::model::{argmax_last, Model};
+use crate::model::{argmax_last, Transformer};
 
 /// What a generation did.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -24,7 +24,7 @@ impl GenStats {
 /// stops early at `stop`. Errors before any work if the result would not fit
 /// the context.
 pub fn greedy(
-    model: &Model,
+    model: &Transformer,
     prompt: &[u32],
     n: usize,
     stop: Option<u32>,

@@ -11,8 +11,11 @@ use crate::llama::Llama;
 use crate::model_file::GgufFile;
 use crate::tokenizer::Tokenizer;
 
+/// A loaded transformer of either architecture (named `Transformer`, not
+/// `Model`: `common::Model` is the logits-level seam that Project 05's
+/// engines implement).
 #[derive(Debug)]
-pub enum Model {
+pub enum Transformer {
     Llama(Llama),
     Gpt2(Gpt2),
 }
@@ -20,27 +23,27 @@ pub enum Model {
 /// A model with its tokenizer (when the files carry one we can read).
 #[derive(Debug)]
 pub struct Loaded {
-    pub model: Model,
+    pub model: Transformer,
     pub tokenizer: Option<Tokenizer>,
 }
 
-impl Model {
+impl Transformer {
     /// Load a `.gguf` file or an HF directory.
     pub fn load(path: &Path) -> Result<Loaded, ModelError> {
         if path.is_dir() {
             let cfg_path = path.join("config.json");
-            let text = std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::Config {
+            let text = std::fs::read_to_string(&cfg_path).map_err(|source| ModelError::Io {
                 path: cfg_path.clone(),
-                msg: format!("cannot read: {e}"),
+                source,
             })?;
             let cfg: serde_json::Value =
-                serde_json::from_str(&text).map_err(|e| ModelError::Config {
+                serde_json::from_str(&text).map_err(|source| ModelError::Json {
                     path: cfg_path.clone(),
-                    msg: format!("invalid JSON: {e}"),
+                    source,
                 })?;
             let model = match cfg["model_type"].as_str() {
-                Some("llama") => Model::Llama(Llama::from_hf_dir(path)?),
-                Some("gpt2") => Model::Gpt2(Gpt2::from_hf_dir(path)?),
+                Some("llama") => Transformer::Llama(Llama::from_hf_dir(path)?),
+                Some("gpt2") => Transformer::Gpt2(Gpt2::from_hf_dir(path)?),
                 other => {
                     return Err(ModelError::Arch {
                         path: cfg_path,
@@ -58,7 +61,7 @@ impl Model {
             Ok(Loaded { model, tokenizer })
         } else {
             let f = GgufFile::open(path)?;
-            let model = Model::Llama(Llama::from_gguf(&f)?);
+            let model = Transformer::Llama(Llama::from_gguf(&f)?);
             let tokenizer = Some(Tokenizer::from_gguf(&f.header)?);
             Ok(Loaded { model, tokenizer })
         }
@@ -66,22 +69,22 @@ impl Model {
 
     pub fn forward(&self, ids: &[u32], batch: usize, seq: usize) -> Result<Tensor, ModelError> {
         match self {
-            Model::Llama(m) => m.forward(ids, batch, seq),
-            Model::Gpt2(m) => m.forward(ids, batch, seq),
+            Transformer::Llama(m) => m.forward(ids, batch, seq),
+            Transformer::Gpt2(m) => m.forward(ids, batch, seq),
         }
     }
 
     pub fn vocab_size(&self) -> usize {
         match self {
-            Model::Llama(m) => m.cfg.vocab_size,
-            Model::Gpt2(m) => m.cfg.vocab_size,
+            Transformer::Llama(m) => m.cfg.vocab_size,
+            Transformer::Gpt2(m) => m.cfg.vocab_size,
         }
     }
 
     pub fn context(&self) -> usize {
         match self {
-            Model::Llama(m) => m.cfg.max_seq,
-            Model::Gpt2(m) => m.cfg.n_positions,
+            Transformer::Llama(m) => m.cfg.max_seq,
+            Transformer::Gpt2(m) => m.cfg.n_positions,
         }
     }
 }
@@ -90,15 +93,5 @@ impl Model {
 pub fn argmax_last(logits: &Tensor) -> u32 {
     let v = *logits.shape().last().unwrap_or(&1);
     // An empty output (no positions) has no last row: token 0, never a panic.
-    let last = &logits.data()[logits.numel().saturating_sub(v)..];
-    if last.is_empty() {
-        return 0;
-    }
-    let mut best = 0;
-    for (i, &x) in last.iter().enumerate() {
-        if x > last[best] {
-            best = i;
-        }
-    }
-    best as u32
+    common::argmax(&logits.data()[logits.numel().saturating_sub(v)..])
 }

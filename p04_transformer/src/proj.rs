@@ -80,10 +80,7 @@ pub const MAX_GROUP: usize = 4;
 
 /// A group of `want` projections was given `got` outputs.
 pub fn group_error(got: usize, want: usize) -> ModelError {
-    ModelError::Weights {
-        name: "projection group".into(),
-        msg: format!("{got} output buffers for {want} projections"),
-    }
+    ModelError::Group { got, want }
 }
 
 /// f32 weights packed once at load for p02's micro-kernel (packing per call

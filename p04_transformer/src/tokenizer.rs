@@ -153,9 +153,15 @@ impl Tokenizer {
             path: path.to_path_buf(),
             msg,
         };
-        let text = std::fs::read_to_string(path).map_err(|e| cfg(format!("cannot read: {e}")))?;
+        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
         let j: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| cfg(format!("invalid JSON: {e}")))?;
+            serde_json::from_str(&text).map_err(|source| ModelError::Json {
+                path: path.to_path_buf(),
+                source,
+            })?;
         let model = &j["model"];
         if model["type"] != "BPE" {
             return Err(cfg(format!(

@@ -4,13 +4,13 @@
 use std::fmt::Write as _;
 
 use crate::error::ModelError;
-use crate::model::Model;
+use crate::model::Transformer;
 
 /// Stage-by-stage shapes for a sequence of `seq` tokens (batch 1).
-pub fn shapes(model: &Model, seq: usize) -> String {
+pub fn shapes(model: &Transformer, seq: usize) -> String {
     let mut s = String::new();
     match model {
-        Model::Llama(m) => {
+        Transformer::Llama(m) => {
             let c = &m.cfg;
             let _ = writeln!(s, "ids                 (batch=1, seq={seq})");
             let _ = writeln!(
@@ -49,7 +49,7 @@ pub fn shapes(model: &Model, seq: usize) -> String {
                 }
             );
         }
-        Model::Gpt2(m) => {
+        Transformer::Gpt2(m) => {
             let c = &m.cfg;
             let hd = c.n_embd.checked_div(c.n_head).unwrap_or(0);
             let _ = writeln!(s, "ids                 (batch=1, seq={seq})");
@@ -82,7 +82,7 @@ pub fn shapes(model: &Model, seq: usize) -> String {
 
 /// Causality, measured: (max |change| of earlier positions' logits when the
 /// last token changes, |change| of the last position when the first changes).
-pub fn causality(model: &Model, ids: &[u32]) -> Result<(f32, f32), ModelError> {
+pub fn causality(model: &Transformer, ids: &[u32]) -> Result<(f32, f32), ModelError> {
     let t = ids.len();
     if t == 0 {
         return Err(ModelError::EmptyInput { what: "causality" });

@@ -21,13 +21,13 @@ pub struct HfDir {
 impl HfDir {
     pub fn open(dir: &Path) -> Result<HfDir, ModelError> {
         let config_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&config_path).map_err(|e| ModelError::Config {
+        let text = std::fs::read_to_string(&config_path).map_err(|source| ModelError::Io {
             path: config_path.clone(),
-            msg: format!("cannot read: {e}"),
+            source,
         })?;
-        let config: Json = serde_json::from_str(&text).map_err(|e| ModelError::Config {
+        let config: Json = serde_json::from_str(&text).map_err(|source| ModelError::Json {
             path: config_path.clone(),
-            msg: format!("invalid JSON: {e}"),
+            source,
         })?;
         let weights = common::st::load(&dir.join("model.safetensors"))?;
         Ok(HfDir {

@@ -167,7 +167,7 @@ fn mis_shaped_tensor_and_unknown_architecture_are_named() {
     cfg["intermediate_size"] = serde_json::json!(64);
     cfg["model_type"] = serde_json::json!("mamba");
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
-    let e = p04_transformer::model::Model::load(&dir)
+    let e = p04_transformer::model::Transformer::load(&dir)
         .unwrap_err()
         .to_string();
     assert!(e.contains("`mamba`") && e.contains("llama, gpt2"), "{e}");
@@ -224,7 +224,7 @@ fn hostile_hyper_parameters_are_config_errors() {
                 .unwrap();
         cfg[key] = value;
         std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
-        let e = p04_transformer::model::Model::load(&dir).unwrap_err();
+        let e = p04_transformer::model::Transformer::load(&dir).unwrap_err();
         assert!(
             matches!(e, ModelError::Config { .. }) && e.to_string().contains(named),
             "{fixture} {key}: {e}"
@@ -237,10 +237,11 @@ fn hostile_hyper_parameters_are_config_errors() {
 /// underflowed `t - 1` or `numel - vocab` before).
 #[test]
 fn empty_inputs_are_errors_not_panics() {
-    let model =
-        p04_transformer::model::Model::load(&p04_transformer::fixtures_dir().join("tiny_llama"))
-            .unwrap()
-            .model;
+    let model = p04_transformer::model::Transformer::load(
+        &p04_transformer::fixtures_dir().join("tiny_llama"),
+    )
+    .unwrap()
+    .model;
     assert!(matches!(
         p04_transformer::trace::causality(&model, &[]),
         Err(ModelError::EmptyInput { .. })

@@ -46,7 +46,7 @@ fn bench_sampler(c: &mut Criterion) {
     let history: Vec<u32> = (0..256).map(|i| i * 131 % vocab as u32).collect();
     let mut g = c.benchmark_group("p05_sample_49152");
     let settings = [
-        ("greedy", SamplingParams::default()),
+        ("greedy", SamplingParams::greedy()),
         (
             "top_k50_top_p0.9_rep1.1",
             SamplingParams {
@@ -54,7 +54,7 @@ fn bench_sampler(c: &mut Criterion) {
                 top_k: Some(50),
                 top_p: 0.9,
                 repetition_penalty: 1.1,
-                ..SamplingParams::default()
+                ..SamplingParams::greedy()
             },
         ),
         (
@@ -62,7 +62,7 @@ fn bench_sampler(c: &mut Criterion) {
             SamplingParams {
                 temperature: 0.8,
                 top_p: 0.9,
-                ..SamplingParams::default()
+                ..SamplingParams::greedy()
             },
         ),
     ];

@@ -20,10 +20,10 @@ pub fn ids(n: usize) -> Vec<u32> {
     (0..n).map(|i| ((100 + 37 * i) % 49152) as u32).collect()
 }
 
-/// Median seconds of one decode step at cache position `pos` (the cache is
-/// sized and its length set directly: attention cost does not depend on the
-/// cached values).
-pub fn decode_latency(engine: &LlamaEngine, pos: usize) -> Result<f64> {
+/// Seconds of one decode step at cache position `pos`, over 10 steps (the
+/// cache is sized and its length set directly: attention cost does not
+/// depend on the cached values).
+pub fn decode_latency(engine: &LlamaEngine, pos: usize) -> Result<Summary> {
     let mut cache = engine.new_cache(pos + 2);
     let mut logits = vec![0.0f32; engine.model.cfg.vocab_size];
     engine.step(&[100], &mut cache, &mut logits)?; // sizes the buffers
@@ -39,11 +39,12 @@ pub fn decode_latency(engine: &LlamaEngine, pos: usize) -> Result<f64> {
             .step(&[101], &mut cache, &mut logits)
             .expect("room for one");
     });
-    Ok(s.median)
+    Ok(s)
 }
 
-/// (prefill tok/s on 256 tokens, decode tok/s for 128 tokens after 16), medians of 3.
-pub fn speeds(engine: &LlamaEngine) -> Result<(f64, f64)> {
+/// (prefill tok/s on 256 tokens, decode tok/s for 128 tokens after 16),
+/// one of each per run, 3 runs.
+pub fn speed_runs(engine: &LlamaEngine) -> Result<(Vec<f64>, Vec<f64>)> {
     let (mut pre, mut dec) = (Vec::new(), Vec::new());
     for _ in 0..3 {
         let p = ids(256);
@@ -58,13 +59,19 @@ pub fn speeds(engine: &LlamaEngine) -> Result<(f64, f64)> {
         }
         dec.push(128.0 / t.elapsed().as_secs_f64());
     }
+    Ok((pre, dec))
+}
+
+/// (prefill tok/s on 256 tokens, decode tok/s for 128 tokens after 16), medians of 3.
+pub fn speeds(engine: &LlamaEngine) -> Result<(f64, f64)> {
+    let (pre, dec) = speed_runs(engine)?;
     Ok((summarize(&pre).median, summarize(&dec).median))
 }
 
-/// Decode of 128 tokens after a 16-token prompt, `runs` times: (median
-/// over runs of tok/s, the summary of every step's seconds, so a timing
-/// row can give the median and the p95 of a token's latency).
-pub fn decode_profile(engine: &LlamaEngine, runs: usize) -> Result<(f64, Summary)> {
+/// Decode of 128 tokens after a 16-token prompt, `runs` times: (each
+/// run's tok/s, the summary of every step's seconds, so a timing row can
+/// give the median and the p95 of a token's latency).
+pub fn decode_profile(engine: &LlamaEngine, runs: usize) -> Result<(Vec<f64>, Summary)> {
     let (mut rates, mut steps) = (Vec::new(), Vec::new());
     for _ in 0..runs {
         let (mut logits, mut cache) = engine.prefill(&ids(16), 16 + 129)?;
@@ -77,7 +84,7 @@ pub fn decode_profile(engine: &LlamaEngine, runs: usize) -> Result<(f64, Summary
         }
         rates.push(128.0 / t.elapsed().as_secs_f64());
     }
-    Ok((summarize(&rates).median, summarize(&steps)))
+    Ok((rates, summarize(&steps)))
 }
 
 /// Median prefill tok/s of `n` tokens over 3 runs.
@@ -91,8 +98,40 @@ pub fn prefill_speed(engine: &LlamaEngine, n: usize) -> Result<f64> {
     Ok(summarize(&s).median)
 }
 
-/// Where one decode step's time goes at position `pos`: (label, seconds).
-pub fn breakdown(engine: &LlamaEngine, pos: usize) -> Result<Vec<(&'static str, f64)>> {
+/// One part of a decode step's time (seconds).
+#[derive(Clone, Copy, Debug)]
+pub struct Part {
+    pub label: &'static str,
+    pub median_s: f64,
+    /// None for a part that is a difference of medians (not timed itself).
+    pub p95_s: Option<f64>,
+}
+
+impl Part {
+    /// numbers.md rows: median and p95 of a timed part; one row, named as
+    /// a difference of medians, for the remainder.
+    pub fn rows(&self, prefix: &str) -> Vec<Row> {
+        match self.p95_s {
+            Some(p95) => Row::median_p95(
+                format!("{prefix}: {}", self.label),
+                self.median_s * 1e3,
+                p95 * 1e3,
+                "ms",
+                "",
+            )
+            .to_vec(),
+            None => vec![Row::new(
+                format!("{prefix}: {} (difference of medians)", self.label),
+                self.median_s * 1e3,
+                "ms",
+            )],
+        }
+    }
+}
+
+/// Where one decode step's time goes at position `pos`, 10 timings of each
+/// part.
+pub fn breakdown(engine: &LlamaEngine, pos: usize) -> Result<Vec<Part>> {
     let m = &engine.model;
     let c = &m.cfg;
     let x = vec![0.1f32; c.hidden_size.max(c.intermediate_size)];
@@ -111,25 +150,42 @@ pub fn breakdown(engine: &LlamaEngine, pos: usize) -> Result<Vec<(&'static str, 
                     .expect("shapes");
             }
         }
-    })
-    .median;
+    });
     let head = time_it(cfg, || {
         m.lm_head
             .apply_into(&x[..c.hidden_size], 1, &mut y[..c.vocab_size], t)
             .expect("shapes")
-    })
-    .median;
+    });
     let total = decode_latency(engine, pos)?;
-    let other = (total - blocks - head).max(0.0);
+    let other = (total.median - blocks.median - head.median).max(0.0);
+    let timed = |label, s: Summary| Part {
+        label,
+        median_s: s.median,
+        p95_s: Some(s.p95),
+    };
     Ok(vec![
-        ("block projections (q,k,v,o,gate,up,down) x 30", blocks),
-        ("lm_head (576 x 49152)", head),
-        ("attention over the cache + norms + rest", other),
-        ("whole decode step", total),
+        timed("block projections (q,k,v,o,gate,up,down) x 30", blocks),
+        timed("lm_head (576 x 49152)", head),
+        Part {
+            label: "attention over the cache + norms + rest",
+            median_s: other,
+            p95_s: None,
+        },
+        timed("whole decode step", total),
     ])
 }
 
-fn peer(python: &Path, which: &str) -> Result<(String, f64, f64)> {
+/// What a peer reported: its name and version, every timed run's rate,
+/// and the greedy ids of its untimed first decode run.
+#[derive(Clone, Debug)]
+struct PeerRun {
+    name: String,
+    prefill: Vec<f64>,
+    decode: Vec<f64>,
+    greedy: Vec<u32>,
+}
+
+fn peer(python: &Path, which: &str) -> Result<PeerRun> {
     let root = common::assets::workspace_root();
     let out = Command::new(python)
         .arg(root.join("scripts/bench_p05_peers.py"))
@@ -147,11 +203,42 @@ fn peer(python: &Path, which: &str) -> Result<(String, f64, f64)> {
     let line = stdout.lines().last().unwrap_or("");
     let v: serde_json::Value =
         serde_json::from_str(line).with_context(|| format!("{which} peer printed {line:?}"))?;
-    Ok((
-        format!("{which} {}", v["version"].as_str().unwrap_or("?")),
-        v["prefill_tok_s"].as_f64().unwrap_or(f64::NAN),
-        v["decode_tok_s"].as_f64().unwrap_or(f64::NAN),
-    ))
+    let list = |k: &str| -> Vec<f64> {
+        v[k].as_array()
+            .map(|a| a.iter().filter_map(serde_json::Value::as_f64).collect())
+            .unwrap_or_default()
+    };
+    let greedy: Vec<u32> = list("greedy_ids").iter().map(|&x| x as u32).collect();
+    let (prefill, decode) = (list("prefill_runs"), list("decode_runs"));
+    if prefill.is_empty() || decode.is_empty() || greedy.is_empty() {
+        anyhow::bail!("{which} peer printed no runs or greedy ids: {line:?}");
+    }
+    Ok(PeerRun {
+        name: format!("{which} {}", v["version"].as_str().unwrap_or("?")),
+        prefill,
+        decode,
+        greedy,
+    })
+}
+
+/// Our greedy ids for the decode benchmark's prompt (16 fixed ids, then
+/// `n` tokens): what a peer's greedy run is compared with.
+pub fn greedy_ids(engine: &LlamaEngine, n: usize) -> Result<Vec<u32>> {
+    let (mut logits, mut cache) = engine.prefill(&ids(16), 16 + n + 1)?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let next = argmax(&logits);
+        out.push(next);
+        engine.decode(next, &mut cache, &mut logits)?;
+    }
+    Ok(out)
+}
+
+/// (tokens equal before the first difference, positions equal overall).
+pub fn agreement(ours: &[u32], theirs: &[u32]) -> (usize, usize) {
+    let prefix = ours.iter().zip(theirs).take_while(|(a, b)| a == b).count();
+    let same = ours.iter().zip(theirs).filter(|(a, b)| a == b).count();
+    (prefix, same)
 }
 
 pub fn run(
@@ -167,7 +254,8 @@ pub fn run(
     let positions = [16usize, 32, 64, 128, 256, 512, 1024, 2048];
     let (mut with, mut without) = (Vec::new(), Vec::new());
     for &pos in &positions {
-        let cached = decode_latency(engine, pos)?;
+        let step = decode_latency(engine, pos)?;
+        let cached = step.median;
         let full = if pos <= 1024 {
             let seq = ids(pos + 1);
             let cfg = if pos <= 256 {
@@ -199,24 +287,23 @@ pub fn run(
             ))
         );
         with.push((pos as f64, cached * 1e3));
-        rows.push(
-            Row::new(
-                format!("p05 smollm2 decode latency pos={pos} (cache)"),
-                cached * 1e3,
-                "ms",
-            )
-            .predicted(if pos == 16 {
+        rows.extend(Row::median_p95(
+            format!("p05 smollm2 decode latency pos={pos} (cache), 10 steps"),
+            cached * 1e3,
+            step.p95 * 1e3,
+            "ms",
+            if pos == 16 {
                 "~25 ms (540 MB of f32 weights at ~22 GB/s)"
             } else {
                 ""
-            }),
-        );
+            },
+        ));
         if let Some(f) = full {
             without.push((pos as f64, f * 1e3));
             if [64, 256, 1024].contains(&pos) {
                 rows.push(
                     Row::new(
-                        format!("p05 smollm2 cache speedup pos={pos}"),
+                        format!("p05 smollm2 cache speedup pos={pos} (ratio of medians)"),
                         f / cached,
                         "x",
                     )
@@ -229,16 +316,22 @@ pub fn run(
             }
         }
     }
-    let (pre, dec) = speeds(engine)?;
+    let (pre_runs, dec_runs) = speed_runs(engine)?;
+    let (pre, dec) = (summarize(&pre_runs).median, summarize(&dec_runs).median);
     println!("\nours (f32): prefill {pre:.1} tok/s (256-token prompt), decode {dec:.1} tok/s (128 tokens after 16)");
-    rows.push(
-        Row::new("p05 smollm2 prefill 256 (ours f32)", pre, "tok/s")
-            .predicted(">= transformers (~500)"),
-    );
-    rows.push(
-        Row::new("p05 smollm2 decode 128 after 16 (ours f32)", dec, "tok/s")
-            .predicted("~40 (>= 2x transformers' ~19)"),
-    );
+    rows.extend(Row::rates_median_p5(
+        "p05 smollm2 prefill 256 (ours f32)",
+        &pre_runs,
+        "tok/s",
+        ">= transformers (~500)",
+    ));
+    rows.extend(Row::rates_median_p5(
+        "p05 smollm2 decode 128 after 16 (ours f32)",
+        &dec_runs,
+        "tok/s",
+        "~40 (>= 2x transformers' ~19)",
+    ));
+    let ours_greedy = greedy_ids(engine, 128)?;
     if peers {
         let root = common::assets::workspace_root();
         for (which, venv) in [("transformers", ".venv-ref"), ("llamacpp", ".venv-peer")] {
@@ -251,35 +344,69 @@ pub fn run(
                 continue;
             }
             match peer(&python, which) {
-                Ok((name, p, d)) => {
-                    println!("  {name}: prefill {p:.1} tok/s (ours/peer {:.2}), decode {d:.1} tok/s (ours/peer {:.2})", pre / p, dec / d);
+                Ok(run) => {
+                    let name = &run.name;
+                    // First: does the peer compute the same thing? Greedy
+                    // ids of its untimed first run against ours.
+                    let (prefix, same) = agreement(&ours_greedy, &run.greedy);
+                    let n = ours_greedy.len();
+                    let why = if which == "llamacpp" {
+                        "llama.cpp keeps Q4_1 weights and quantises activations to 8 bits; ours is the f32 reference, so they part after some tokens"
+                    } else {
+                        "same weights (dequantised GGUF) in f32: expect all or nearly all"
+                    };
+                    println!("  {name}: greedy tokens equal to ours before the first difference {prefix} of {n} ({same} positions equal); {why}");
+                    rows.push(
+                        Row::new(
+                            format!("p05 greedy agreement with {name}: tokens equal before the first difference"),
+                            prefix as f64,
+                            format!("tokens of {n}"),
+                        )
+                        .predicted(why),
+                    );
                     rows.push(Row::new(
-                        format!("p05 smollm2 prefill 256 ({name})"),
-                        p,
-                        "tok/s",
+                        format!("p05 greedy agreement with {name}: positions equal"),
+                        same as f64,
+                        format!("tokens of {n}"),
                     ));
-                    rows.push(Row::new(
-                        format!("p05 smollm2 decode 128 after 16 ({name})"),
-                        d,
+                    let p = summarize(&run.prefill).median;
+                    let d = summarize(&run.decode).median;
+                    println!("  {name}: prefill {p:.1} tok/s (ours/peer {:.2}), decode {d:.1} tok/s (ours/peer {:.2})", pre / p, dec / d);
+                    rows.extend(Row::rates_median_p5(
+                        format!("p05 smollm2 prefill 256 ({name})"),
+                        &run.prefill,
                         "tok/s",
+                        "",
+                    ));
+                    rows.extend(Row::rates_median_p5(
+                        format!("p05 smollm2 decode 128 after 16 ({name})"),
+                        &run.decode,
+                        "tok/s",
+                        "",
                     ));
                     rows.push(
-                        Row::new(format!("p05 prefill ours/{which}"), pre / p, "x").predicted(
-                            if which == "transformers" {
-                                "target >= 1"
-                            } else {
-                                ""
-                            },
-                        ),
+                        Row::new(
+                            format!("p05 prefill ours/{which} (ratio of medians)"),
+                            pre / p,
+                            "x",
+                        )
+                        .predicted(if which == "transformers" {
+                            "target >= 1"
+                        } else {
+                            ""
+                        }),
                     );
                     rows.push(
-                        Row::new(format!("p05 decode ours/{which}"), dec / d, "x").predicted(
-                            if which == "transformers" {
-                                "target >= 2"
-                            } else {
-                                "gap to close in p10"
-                            },
-                        ),
+                        Row::new(
+                            format!("p05 decode ours/{which} (ratio of medians)"),
+                            dec / d,
+                            "x",
+                        )
+                        .predicted(if which == "transformers" {
+                            "target >= 2"
+                        } else {
+                            "gap to close in p10"
+                        }),
                     );
                 }
                 Err(e) => println!("  {which}: {e:#}"),
@@ -287,13 +414,9 @@ pub fn run(
         }
     }
     println!("\nwhere a decode step's time goes (position 256):");
-    for (label, s) in breakdown(engine, 256)? {
-        println!("  {label:<48} {:>8.2} ms", s * 1e3);
-        rows.push(Row::new(
-            format!("p05 decode breakdown pos=256: {label}"),
-            s * 1e3,
-            "ms",
-        ));
+    for part in breakdown(engine, 256)? {
+        println!("  {:<48} {:>8.2} ms", part.label, part.median_s * 1e3);
+        rows.extend(part.rows("p05 decode breakdown pos=256"));
     }
     let png = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("plots/decode_latency.png");
     let labels = Labels {

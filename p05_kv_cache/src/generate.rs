@@ -12,14 +12,9 @@ use thiserror::Error;
 use crate::sampling::{SamplingError, SamplingParams};
 pub use crate::sequence::{Sequence, Step};
 
-/// Why generation ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FinishReason {
-    /// A stop token or stop string.
-    Stop,
-    /// `max_tokens` reached.
-    Length,
-}
+/// Why generation ended (common's one type; local generation never
+/// produces `Abort`, which only a server's cancellation does).
+pub use common::Finish;
 
 #[derive(Clone, Debug)]
 pub struct GenerateParams {
@@ -43,7 +38,7 @@ impl GenerateParams {
     pub fn greedy(max_tokens: usize) -> GenerateParams {
         GenerateParams {
             max_tokens,
-            sampling: SamplingParams::default(),
+            sampling: SamplingParams::greedy(),
             stop_ids: vec![],
             stop_strings: vec![],
             ignore_eos: true,
@@ -57,7 +52,7 @@ impl GenerateParams {
 pub struct Generation {
     pub text: String,
     pub tokens: Vec<u32>,
-    pub finish: FinishReason,
+    pub finish: Finish,
     pub prompt_tokens: usize,
     pub prefill_seconds: f64,
     pub decode_seconds: f64,
@@ -202,7 +197,7 @@ pub fn generate<M: Model>(
     let t1 = Instant::now();
     let mut tokens = Vec::new();
     let mut text = String::new();
-    let mut finish = FinishReason::Length;
+    let mut finish = Finish::Length;
     while let Some(step) = g.next_token()? {
         if !step.text.is_empty() {
             on_text(&step.text);

@@ -14,7 +14,7 @@ use p04_transformer::ModelError;
 
 use crate::attention::{attention_step, AttentionScratch, Heads};
 use crate::kv_cache::KvCache;
-use crate::EngineError;
+use crate::LocalModelError;
 
 #[derive(Debug)]
 pub struct Gpt2Engine {
@@ -40,7 +40,7 @@ impl Gpt2Engine {
         ids: &[u32],
         cache: &mut KvCache,
         logits: &mut [f32],
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), LocalModelError> {
         let mut guard = self.adapter.lock().unwrap_or_else(|e| e.into_inner());
         let (batch, ws) = &mut *guard;
         common::batch::forward_one(self, batch, ws, ids, cache, logits)
@@ -68,7 +68,7 @@ impl BatchModel for Gpt2Engine {
         stores: &mut [&mut S],
         ws: &mut AttentionScratch,
         logits: &mut [f32],
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), LocalModelError> {
         let m = &self.model;
         let c = &m.cfg;
         batch.check(
@@ -150,15 +150,15 @@ impl BatchModel for Gpt2Engine {
 
 impl Model for Gpt2Engine {
     type Cache = KvCache;
-    type Error = EngineError;
+    type Error = LocalModelError;
 
     fn info(&self) -> &ModelInfo {
         &self.info
     }
 
-    fn prefill(&self, ids: &[u32], max_len: usize) -> Result<(Vec<f32>, KvCache), EngineError> {
+    fn prefill(&self, ids: &[u32], max_len: usize) -> Result<(Vec<f32>, KvCache), LocalModelError> {
         if ids.is_empty() {
-            return Err(EngineError::EmptyPrompt);
+            return Err(LocalModelError::EmptyPrompt);
         }
         let c = &self.model.cfg;
         if max_len > c.n_positions || ids.len() > max_len {
@@ -180,7 +180,7 @@ impl Model for Gpt2Engine {
         token: u32,
         cache: &mut KvCache,
         logits: &mut [f32],
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), LocalModelError> {
         self.step(&[token], cache, logits)
     }
 

@@ -20,8 +20,12 @@ pub mod sequence;
 
 use thiserror::Error;
 
+/// The error of this crate's local models (the `Model` implementations
+/// and their loader): load, prefill, decode and the batched step. Not the
+/// request-level `common::engine::EngineError` a server reports; Project
+/// 06 maps one to the other.
 #[derive(Debug, Error)]
-pub enum EngineError {
+pub enum LocalModelError {
     #[error(transparent)]
     Model(#[from] p04_transformer::ModelError),
     #[error(transparent)]

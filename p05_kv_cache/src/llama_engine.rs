@@ -17,7 +17,7 @@ use p04_transformer::{ModelError, Proj};
 
 use crate::attention::{attention_step, AttentionScratch, Heads};
 use crate::kv_cache::KvCache;
-use crate::EngineError;
+use crate::LocalModelError;
 
 /// A Llama with its RoPE tables precomputed for the whole context.
 #[derive(Debug)]
@@ -105,7 +105,7 @@ impl LlamaEngine {
         ids: &[u32],
         cache: &mut LlamaCache,
         logits: &mut [f32],
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), LocalModelError> {
         let mut guard = self.adapter.lock().unwrap_or_else(|e| e.into_inner());
         let (batch, ws) = &mut *guard;
         common::batch::forward_one(self, batch, ws, ids, &mut cache.kv, logits)
@@ -119,7 +119,7 @@ impl LlamaEngine {
         ids: &[u32],
         cache: &mut LlamaCache,
         logits: &mut [f32],
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), LocalModelError> {
         let mut guard = self.adapter.lock().unwrap_or_else(|e| e.into_inner());
         let (batch, ws) = &mut *guard;
         batch.clear();
@@ -165,7 +165,7 @@ impl BatchModel for LlamaEngine {
         stores: &mut [&mut S],
         ws: &mut LlamaWorkspace,
         logits: &mut [f32],
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), LocalModelError> {
         self.forward(batch, stores, ws, logits, Head::Last)
     }
 }
@@ -181,7 +181,7 @@ impl LlamaEngine {
         ws: &mut LlamaWorkspace,
         logits: &mut [f32],
         head: Head,
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), LocalModelError> {
         let m = &self.model;
         let c = &m.cfg;
         let (n, n_seqs) = (batch.n_tokens(), batch.n_seqs());
@@ -300,15 +300,19 @@ impl LlamaEngine {
 
 impl Model for LlamaEngine {
     type Cache = LlamaCache;
-    type Error = EngineError;
+    type Error = LocalModelError;
 
     fn info(&self) -> &ModelInfo {
         &self.info
     }
 
-    fn prefill(&self, ids: &[u32], max_len: usize) -> Result<(Vec<f32>, LlamaCache), EngineError> {
+    fn prefill(
+        &self,
+        ids: &[u32],
+        max_len: usize,
+    ) -> Result<(Vec<f32>, LlamaCache), LocalModelError> {
         if ids.is_empty() {
-            return Err(EngineError::EmptyPrompt);
+            return Err(LocalModelError::EmptyPrompt);
         }
         if max_len > self.model.cfg.max_seq || ids.len() > max_len {
             return Err(ModelError::Context {
@@ -328,7 +332,7 @@ impl Model for LlamaEngine {
         token: u32,
         cache: &mut LlamaCache,
         logits: &mut [f32],
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), LocalModelError> {
         self.step(&[token], cache, logits)
     }
 

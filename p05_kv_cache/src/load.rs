@@ -8,7 +8,7 @@ use p04_transformer::llama::F32Weights;
 use p04_transformer::{GgufFile, Llama, ProjLoader, Tokenizer};
 
 use crate::llama_engine::LlamaEngine;
-use crate::EngineError;
+use crate::LocalModelError;
 
 /// An engine and its tokenizer.
 #[derive(Debug)]
@@ -18,13 +18,13 @@ pub struct Loaded {
 }
 
 /// Every weight in f32.
-pub fn load(path: &Path) -> Result<Loaded, EngineError> {
+pub fn load(path: &Path) -> Result<Loaded, LocalModelError> {
     load_with(path, &F32Weights)
 }
 
 /// A GGUF file's projections in the format `loader` chooses (Project 10:
 /// the file's own quantised blocks); a directory is always f32.
-pub fn load_with(path: &Path, loader: &dyn ProjLoader) -> Result<Loaded, EngineError> {
+pub fn load_with(path: &Path, loader: &dyn ProjLoader) -> Result<Loaded, LocalModelError> {
     let (model, tokenizer, name) = if path.is_dir() {
         let tok = path.join("tokenizer.json");
         let tokenizer = if tok.exists() {

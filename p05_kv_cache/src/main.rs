@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use clap::{Parser, Subcommand};
-use p05_kv_cache::generate::{generate, FinishReason, GenerateParams};
+use p05_kv_cache::generate::{generate, GenerateParams};
 use p05_kv_cache::sampling::SamplingParams;
 
 #[derive(Parser, Debug)]
@@ -93,7 +93,7 @@ fn main() -> Result<()> {
                     top_p,
                     min_p,
                     repetition_penalty,
-                    seed,
+                    seed: Some(seed),
                 },
                 stop_ids: vec![],
                 stop_strings: stop,
@@ -114,10 +114,7 @@ fn main() -> Result<()> {
                     let _ = std::io::stdout().flush();
                 },
             )?;
-            let why = match g.finish {
-                FinishReason::Stop => "stop",
-                FinishReason::Length => "length",
-            };
+            let why = g.finish.as_str();
             println!(
                 "\n\n[prefill {} tokens: {:.1} tok/s | decode {} tokens: {:.1} tok/s | finish: {why}]",
                 g.prompt_tokens,

@@ -11,70 +11,9 @@
 //! 7. min-p: drop tokens below min_p x the top probability;
 //! 8. renormalise and draw with the request's seeded generator.
 
-use thiserror::Error;
-
-#[derive(Debug, Error, PartialEq)]
-pub enum SamplingError {
-    #[error("temperature must be >= 0 and finite, got {0}")]
-    Temperature(f32),
-    #[error("top_p must be in (0, 1], got {0}")]
-    TopP(f32),
-    #[error("top_k must be >= 1 when set, got 0")]
-    TopK,
-    #[error("min_p must be in [0, 1], got {0}")]
-    MinP(f32),
-    #[error("repetition_penalty must be > 0 and finite, got {0}")]
-    RepetitionPenalty(f32),
-}
-
-/// Per-request sampling settings.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SamplingParams {
-    /// 0 = greedy.
-    pub temperature: f32,
-    pub top_k: Option<usize>,
-    /// 1 = off.
-    pub top_p: f32,
-    /// 0 = off.
-    pub min_p: f32,
-    /// 1 = off.
-    pub repetition_penalty: f32,
-    pub seed: u64,
-}
-
-impl Default for SamplingParams {
-    fn default() -> Self {
-        SamplingParams {
-            temperature: 0.0,
-            top_k: None,
-            top_p: 1.0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            seed: 0,
-        }
-    }
-}
-
-impl SamplingParams {
-    pub fn validate(&self) -> Result<(), SamplingError> {
-        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(SamplingError::Temperature(self.temperature));
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(SamplingError::TopP(self.top_p));
-        }
-        if self.top_k == Some(0) {
-            return Err(SamplingError::TopK);
-        }
-        if !(0.0..=1.0).contains(&self.min_p) {
-            return Err(SamplingError::MinP(self.min_p));
-        }
-        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
-            return Err(SamplingError::RepetitionPenalty(self.repetition_penalty));
-        }
-        Ok(())
-    }
-}
+/// The settings (one type from the request to the sampler) live in
+/// `common`, so a request and an engine name them the same way.
+pub use common::sampling::{SamplingError, SamplingParams};
 
 pub use common::rng::Rng;
 
@@ -89,29 +28,8 @@ pub struct Sampler {
     cand: Vec<(f32, u32)>,
 }
 
-/// Index of the largest value (first on ties).
-pub fn argmax(x: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in x.iter().enumerate() {
-        if v > x[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-impl SamplingError {
-    /// The request field at fault (OpenAI's `param`).
-    pub fn param(&self) -> &'static str {
-        match self {
-            SamplingError::Temperature(_) => "temperature",
-            SamplingError::TopP(_) => "top_p",
-            SamplingError::TopK => "top_k",
-            SamplingError::MinP(_) => "min_p",
-            SamplingError::RepetitionPenalty(_) => "repetition_penalty",
-        }
-    }
-}
+/// Greedy's choice: common's one `argmax` (first index on ties).
+pub use common::argmax;
 
 impl Sampler {
     /// The validated settings.
@@ -121,7 +39,8 @@ impl Sampler {
 
     pub fn new(params: SamplingParams) -> Result<Sampler, SamplingError> {
         params.validate()?;
-        let rng = Rng::new(params.seed);
+        // No seed: 0 (a server assigns one per request before this).
+        let rng = Rng::new(params.seed.unwrap_or(0));
         Ok(Sampler {
             params,
             rng,

@@ -8,7 +8,7 @@ use common::ModelInfo;
 use p04_transformer::generate::Utf8Stream;
 use p04_transformer::Tokenizer;
 
-use crate::generate::{log_probs, FinishReason, GenerateError, GenerateParams};
+use crate::generate::{log_probs, Finish, GenerateError, GenerateParams};
 use crate::sampling::Sampler;
 
 /// One sampled token, as [`Sequence::on_logits`] (and `Generator::next_token`) hands it out.
@@ -24,7 +24,7 @@ pub struct Step {
     /// The `top_logprobs` most likely tokens and their log p, most likely first.
     pub top_logprobs: Vec<(u32, f32)>,
     /// Set on the last step; `text` then includes any held-back text.
-    pub finish: Option<FinishReason>,
+    pub finish: Option<Finish>,
 }
 
 /// One request's generation state. It owns no K/V and no scratch: those
@@ -40,7 +40,7 @@ pub struct Sequence {
     generated: usize,
     utf8: Utf8Stream,
     stops: StopFilter,
-    finish: Option<FinishReason>,
+    finish: Option<Finish>,
 }
 
 impl Sequence {
@@ -78,7 +78,7 @@ impl Sequence {
             generated: 0,
             utf8: Utf8Stream::default(),
             stops: StopFilter::default(),
-            finish: (params.max_tokens == 0).then_some(FinishReason::Length),
+            finish: (params.max_tokens == 0).then_some(Finish::Length),
         })
     }
 
@@ -104,7 +104,7 @@ impl Sequence {
         &self.params
     }
 
-    pub fn finish(&self) -> Option<FinishReason> {
+    pub fn finish(&self) -> Option<Finish> {
         self.finish
     }
 
@@ -145,7 +145,7 @@ impl Sequence {
         // An empty row has no token to score (`sample` returns 0 for it).
         let logprob = logprob.and_then(|lp| lp.get(next as usize).copied());
         if self.stop_ids.contains(&next) {
-            self.finish = Some(FinishReason::Stop);
+            self.finish = Some(Finish::Stop);
             return Step {
                 token: next,
                 text: String::new(),
@@ -159,10 +159,10 @@ impl Sequence {
         let piece = self.utf8.push(&tok.decode_bytes(&[next]));
         let (mut text, hit) = self.stops.push(&piece, &self.params.stop_strings);
         self.finish = if hit {
-            Some(FinishReason::Stop)
+            Some(Finish::Stop)
         } else if self.generated == self.params.max_tokens {
             text.push_str(&self.stops.flush());
-            Some(FinishReason::Length)
+            Some(Finish::Length)
         } else {
             None
         };

@@ -11,7 +11,7 @@ use p04_transformer::{Gpt2, Llama};
 use p05_kv_cache::gpt2_engine::Gpt2Engine;
 use p05_kv_cache::kv_cache::KvCache;
 use p05_kv_cache::llama_engine::LlamaEngine;
-use p05_kv_cache::EngineError;
+use p05_kv_cache::LocalModelError;
 
 fn info(vocab: usize, ctx: usize) -> ModelInfo {
     ModelInfo {
@@ -328,7 +328,7 @@ fn a_malformed_step_is_an_error_and_touches_no_store() {
     let check = |batch: &Batch, stores: &mut [&mut KvCache], logits: usize, ws: &mut _| {
         let mut l = vec![0.0; logits];
         match engine.forward_batch(batch, stores, ws, &mut l) {
-            Err(EngineError::Batch(e)) => e,
+            Err(LocalModelError::Batch(e)) => e,
             other => panic!("expected a batch error, got {other:?}"),
         }
     };

@@ -112,7 +112,7 @@ fn smollm2_cached_greedy_matches_transformers_and_recompute() {
         // text, and a log-probability for each (the greedy token is the top one).
         let params = GenerateParams {
             max_tokens: 32,
-            sampling: SamplingParams::default(),
+            sampling: SamplingParams::greedy(),
             stop_ids: vec![],
             stop_strings: vec![],
             ignore_eos: true,

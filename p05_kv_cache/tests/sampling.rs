@@ -13,7 +13,7 @@ fn logits() -> Vec<f32> {
 fn params(temperature: f32) -> SamplingParams {
     SamplingParams {
         temperature,
-        ..SamplingParams::default()
+        ..SamplingParams::greedy()
     }
 }
 
@@ -23,7 +23,7 @@ fn top_k_one_and_temperature_zero_are_greedy() {
     assert_eq!(greedy, 1);
     let mut s = Sampler::new(SamplingParams {
         top_k: Some(1),
-        seed: 9,
+        seed: Some(9),
         ..params(1.5)
     })
     .unwrap();
@@ -38,7 +38,7 @@ fn top_k_one_and_temperature_zero_are_greedy() {
 fn same_seed_same_draws_other_seed_differs() {
     let draw = |seed| {
         let mut s = Sampler::new(SamplingParams {
-            seed,
+            seed: Some(seed),
             ..params(1.0)
         })
         .unwrap();
@@ -58,8 +58,8 @@ fn draws_follow_the_filtered_softmax() {
         temperature: 0.8,
         top_k: Some(5),
         min_p: 0.05,
-        seed: 7,
-        ..SamplingParams::default()
+        seed: Some(7),
+        ..SamplingParams::greedy()
     };
     let l = logits();
     let mut idx: Vec<usize> = (0..l.len()).collect();

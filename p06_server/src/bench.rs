@@ -273,12 +273,32 @@ async fn run_one(a: &BenchArgs, model: &str, arrival: Arrival) -> Result<Report>
             "{} {arrival_name} in{} out{}",
             a.label, a.input_len, a.output_len
         );
-        let mut rows = vec![
-            Row::new(format!("{tag}: median TTFT"), report.ttft.median, "ms"),
-            Row::new(format!("{tag}: p99 TTFT"), report.ttft.p99, "ms"),
-            Row::new(format!("{tag}: median TPOT"), report.tpot.median, "ms"),
-            Row::new(format!("{tag}: median ITL"), report.itl.median, "ms"),
-            Row::new(format!("{tag}: median E2EL"), report.e2el.median, "ms"),
+        let mut rows = Vec::new();
+        // Latencies as median and p95 (TTFT also p99); the prediction, if
+        // any, goes on the first row (median TTFT).
+        rows.extend(Row::median_p95(
+            format!("{tag}: TTFT"),
+            report.ttft.median,
+            report.ttft.p95,
+            "ms",
+            a.prediction.clone().unwrap_or_default(),
+        ));
+        rows.push(Row::new(format!("{tag}: p99 TTFT"), report.ttft.p99, "ms"));
+        for (name, m) in [
+            ("TPOT", &report.tpot),
+            ("ITL", &report.itl),
+            ("E2EL", &report.e2el),
+        ] {
+            rows.extend(Row::median_p95(
+                format!("{tag}: {name}"),
+                m.median,
+                m.p95,
+                "ms",
+                "",
+            ));
+        }
+        // Whole-run aggregates: one number per run.
+        rows.extend([
             Row::new(
                 format!("{tag}: request throughput"),
                 report.request_throughput,
@@ -291,10 +311,7 @@ async fn run_one(a: &BenchArgs, model: &str, arrival: Arrival) -> Result<Report>
             ),
             Row::new(format!("{tag}: goodput"), report.request_goodput, "req/s"),
             Row::new(format!("{tag}: failed"), report.failed as f64, "requests"),
-        ];
-        if let Some(p) = &a.prediction {
-            rows[0] = rows[0].clone().predicted(p.clone());
-        }
+        ]);
         let command = common::numbers::command_line("p06_server");
         Recorder::for_workspace(command).append(&rows)?;
     }

@@ -145,3 +145,40 @@ impl IntoResponse for ApiError {
         resp
     }
 }
+
+/// Why an engine did not start (before it takes any request).
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("the model's chat template: {0}")]
+    Prompt(#[from] p04_transformer::PromptError),
+    #[error("cannot start the model thread: {0}")]
+    Thread(#[source] std::io::Error),
+    /// A later engine's own settings (the scheduler's knobs, the K/V pool),
+    /// which this crate cannot name.
+    #[error("{0}")]
+    Config(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+/// Why `--model` did not name a model.
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    #[error(transparent)]
+    Asset(#[from] common::assets::AssetError),
+    #[error("--model {spec}: no such file or directory (use `smollm2`, a .gguf file or an HF Llama directory)")]
+    NotFound { spec: String },
+}
+
+/// Why a model could not be loaded and served.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("{path}: {source}")]
+    Model {
+        path: std::path::PathBuf,
+        /// Boxed: the loader's error is large beside the others.
+        source: Box<p05_kv_cache::LocalModelError>,
+    },
+    #[error("{path} has no tokenizer to serve text with")]
+    NoTokenizer { path: std::path::PathBuf },
+    #[error(transparent)]
+    Start(#[from] StartError),
+}

@@ -12,7 +12,6 @@ use common::ModelInfo;
 use p04_transformer::prompt::check_context;
 use p04_transformer::{PromptBuilder, PromptError, Tokenizer};
 use p05_kv_cache::generate::GenerateParams;
-use p05_kv_cache::sampling::SamplingParams;
 
 use crate::template::{prompt_error, turns};
 
@@ -130,17 +129,12 @@ impl InputProcessor {
                 context: self.context,
             },
         )?;
-        let s = &request.sampling;
-        let sampling = SamplingParams {
-            temperature: s.temperature,
-            top_k: s.top_k,
-            top_p: s.top_p,
-            min_p: s.min_p,
-            repetition_penalty: s.repetition_penalty,
-            seed: s
-                .seed
-                .unwrap_or_else(|| self.seed_counter.fetch_add(1, Ordering::Relaxed)),
-        };
+        // The request's settings as they are; a request without a seed
+        // gets the next of this server's counter.
+        let mut sampling = request.sampling.clone();
+        sampling
+            .seed
+            .get_or_insert_with(|| self.seed_counter.fetch_add(1, Ordering::Relaxed));
         sampling
             .validate()
             .map_err(|e| EngineError::InvalidRequest {

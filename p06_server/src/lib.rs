@@ -25,5 +25,6 @@ pub mod serial;
 pub mod server;
 pub mod template;
 
+pub use error::{LoadError, ResolveError, StartError};
 pub use routes::{router, AppState};
 pub use serial::SerialEngine;

@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use common::engine::{EngineRequest, PromptInput, SamplingSpec};
+use common::engine::{EngineRequest, PromptInput, SamplingParams};
 use common::openai::{ChatRequest, CommonParams, CompletionRequest, PromptSpec};
 use serde::de::DeserializeOwned;
 
@@ -109,7 +109,7 @@ fn range<T: PartialOrd + Copy + std::fmt::Display>(
 
 /// The checked values of the fields both endpoints share.
 struct Common {
-    sampling: SamplingSpec,
+    sampling: SamplingParams,
     max_tokens: Option<usize>,
     stop: Vec<String>,
     stream: bool,
@@ -253,7 +253,7 @@ fn common_fields(
         ));
     }
     let include_usage = c.stream_options.as_ref().is_some_and(|o| o.include_usage);
-    let sampling = SamplingSpec {
+    let sampling = SamplingParams {
         temperature: temperature.unwrap_or(1.0),
         top_p: top_p.unwrap_or(1.0),
         top_k: top_k.filter(|&k| k > 0).map(|k| k as usize),

@@ -19,9 +19,10 @@ use common::engine::{
 };
 use common::Model;
 use p04_transformer::Tokenizer;
-use p05_kv_cache::generate::{FinishReason, GenerateError, GenerateParams, Generator, Step};
+use p05_kv_cache::generate::{GenerateError, GenerateParams, Generator, Step};
 use tokio::sync::mpsc;
 
+use crate::error::StartError;
 use crate::gauges::EngineGauges;
 use crate::input::{InputProcessor, Prepared};
 
@@ -49,12 +50,11 @@ impl SerialEngine {
         tokenizer: Arc<Tokenizer>,
         name: &str,
         max_waiting: usize,
-    ) -> Result<SerialEngine, String>
+    ) -> Result<SerialEngine, StartError>
     where
         M: Model + Send + Sync + 'static,
     {
-        let input =
-            InputProcessor::new(tokenizer.clone(), model.info()).map_err(|e| e.to_string())?;
+        let input = InputProcessor::new(tokenizer.clone(), model.info())?;
         let (queue, rx) = mpsc::channel(max_waiting.clamp(1, tokio::sync::Semaphore::MAX_PERMITS));
         let shared = Arc::new(EngineGauges::default());
         let worker = {
@@ -62,7 +62,7 @@ impl SerialEngine {
             std::thread::Builder::new()
                 .name("model".into())
                 .spawn(move || model_thread(&*model, &tok, rx, &shared))
-                .map_err(|e| format!("cannot start the model thread: {e}"))?
+                .map_err(StartError::Thread)?
         };
         Ok(SerialEngine {
             name: name.to_string(),
@@ -192,18 +192,16 @@ fn run_job<M: Model>(
         if gen.generated_tokens() > before {
             let _ = job.events.send(EngineEvent::Token(token_out(tok, &step)));
         }
-        if let Some(f) = step.finish {
-            let finish = match f {
-                FinishReason::Stop => Finish::Stop,
-                FinishReason::Length => Finish::Length,
-            };
+        if let Some(finish) = step.finish {
             return Ok((finish, prompt_tokens, gen.generated_tokens()));
         }
     }
 }
 
-/// A generation error as the engine seam reports it.
-pub fn engine_error<E: std::error::Error>(e: GenerateError<E>) -> EngineError {
+/// A generation error as the engine seam reports it: the request's faults
+/// (context, sampling, a token id or an empty prompt that reached the
+/// model) keep their kind as a 400; the rest is a 500.
+pub fn engine_error<E: std::error::Error + 'static>(e: GenerateError<E>) -> EngineError {
     match e {
         GenerateError::Context {
             prompt,
@@ -218,7 +216,26 @@ pub fn engine_error<E: std::error::Error>(e: GenerateError<E>) -> EngineError {
             message: s.to_string(),
             param: Some(s.param().into()),
         },
-        GenerateError::Model(m) => EngineError::Internal(m.to_string()),
+        GenerateError::Model(m) => model_error(&m),
+    }
+}
+
+/// A local model's error (Project 05's `LocalModelError`, found by
+/// downcasting: the engines are generic over the model) as the seam's kind.
+fn model_error(m: &(dyn std::error::Error + 'static)) -> EngineError {
+    use p04_transformer::ModelError;
+    use p05_kv_cache::LocalModelError;
+    let invalid = |param: &str| EngineError::InvalidRequest {
+        message: m.to_string(),
+        param: Some(param.into()),
+    };
+    match m.downcast_ref::<LocalModelError>() {
+        Some(
+            LocalModelError::EmptyPrompt | LocalModelError::Model(ModelError::EmptyInput { .. }),
+        ) => invalid("prompt"),
+        Some(LocalModelError::Model(ModelError::TokenId { .. })) => invalid("prompt"),
+        Some(LocalModelError::Model(ModelError::Context { .. })) => invalid("max_tokens"),
+        _ => EngineError::Internal(m.to_string()),
     }
 }
 
@@ -246,5 +263,48 @@ pub fn token_out(tok: &Tokenizer, step: &Step) -> TokenOut {
         text: step.text.clone(),
         logprob: step.logprob.map(|l| lp(step.token, l)),
         top_logprobs: step.top_logprobs.iter().map(|&(i, l)| lp(i, l)).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use p05_kv_cache::kv_cache::CacheError;
+    use p05_kv_cache::LocalModelError;
+
+    use super::*;
+
+    /// Errors keep their kind across the seam: a request's fault is a 400
+    /// naming its field, an engine fault a 500.
+    #[test]
+    fn model_errors_keep_their_kind() {
+        let e = engine_error(GenerateError::Model(LocalModelError::EmptyPrompt));
+        assert!(
+            matches!(&e, EngineError::InvalidRequest { param: Some(p), .. } if p == "prompt"),
+            "{e:?}"
+        );
+        let id = p04_transformer::ModelError::TokenId {
+            id: 9,
+            pos: 0,
+            vocab: 4,
+        };
+        let e = engine_error(GenerateError::Model(LocalModelError::Model(id)));
+        assert!(matches!(&e, EngineError::InvalidRequest { .. }), "{e:?}");
+        let full = CacheError::Full {
+            len: 4,
+            max_seq: 4,
+            adding: 1,
+        };
+        let e = engine_error(GenerateError::Model(LocalModelError::Cache(full)));
+        assert!(
+            matches!(&e, EngineError::Internal(m) if m.contains("KV cache is full")),
+            "{e:?}"
+        );
+        let e = engine_error::<LocalModelError>(GenerateError::Sampling(
+            common::sampling::SamplingError::TopK,
+        ));
+        assert!(
+            matches!(&e, EngineError::InvalidRequest { param: Some(p), .. } if p == "top_k"),
+            "{e:?}"
+        );
     }
 }

@@ -12,6 +12,7 @@ use std::time::Duration;
 use common::engine::{Engine, EngineError, EngineLoad, EngineRequest, EngineStream};
 use tokio::net::TcpListener;
 
+use crate::error::{LoadError, ResolveError};
 use crate::routes::{router, AppState};
 use crate::serial::SerialEngine;
 
@@ -77,31 +78,34 @@ pub fn served_name(spec: &str) -> String {
 }
 
 /// `--model`: `smollm2` (fetched on first use) or a path.
-pub fn resolve_model(spec: &str) -> Result<PathBuf, String> {
+pub fn resolve_model(spec: &str) -> Result<PathBuf, ResolveError> {
     if spec.eq_ignore_ascii_case("smollm2") {
-        return common::assets::ensure(common::assets::Asset::SmolLm2);
+        return Ok(common::assets::ensure(common::assets::Asset::SmolLm2)?);
     }
     let path = PathBuf::from(spec);
     if !path.exists() {
-        return Err(format!(
-            "--model {spec}: no such file or directory (use `smollm2`, a .gguf file or an HF Llama directory)"
-        ));
+        return Err(ResolveError::NotFound {
+            spec: spec.to_string(),
+        });
     }
     Ok(path)
 }
 
 /// Load a GGUF / HF Llama model and start the serial engine on it.
-pub fn load_serial(path: &Path, name: &str, max_waiting: usize) -> Result<SerialEngine, String> {
-    let loaded = p05_kv_cache::load::load(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let tokenizer = loaded
-        .tokenizer
-        .ok_or_else(|| format!("{} has no tokenizer to serve text with", path.display()))?;
-    SerialEngine::start(
+pub fn load_serial(path: &Path, name: &str, max_waiting: usize) -> Result<SerialEngine, LoadError> {
+    let loaded = p05_kv_cache::load::load(path).map_err(|source| LoadError::Model {
+        path: path.to_path_buf(),
+        source: Box::new(source),
+    })?;
+    let tokenizer = loaded.tokenizer.ok_or_else(|| LoadError::NoTokenizer {
+        path: path.to_path_buf(),
+    })?;
+    Ok(SerialEngine::start(
         Arc::new(loaded.engine),
         Arc::new(tokenizer),
         name,
         max_waiting,
-    )
+    )?)
 }
 
 /// An engine that is still loading: `/health` and requests answer 503 until
@@ -237,10 +241,11 @@ pub async fn run_until_signal(
 
 /// Serve at once and load in the background: `/health` and requests answer
 /// 503 until `load` (run on a blocking thread, given the served name) returns
-/// the engine; a failed load ends the process with its message.
+/// the engine; a failed load ends the process with its message (the
+/// binary's boundary, so any error will do: `anyhow`).
 pub fn load_in_background<F>(name: &str, max_body_bytes: usize, load: F) -> AppState
 where
-    F: FnOnce(&str) -> Result<Arc<dyn Engine>, String> + Send + 'static,
+    F: FnOnce(&str) -> anyhow::Result<Arc<dyn Engine>> + Send + 'static,
 {
     let loading = Arc::new(LoadingEngine::new(name));
     let state = AppState::new(loading.clone(), max_body_bytes);
@@ -251,7 +256,7 @@ where
         // A loader that panics (a bug) must end the process too, not leave
         // a server answering 503 forever.
         let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| load(&name)))
-            .unwrap_or_else(|p| Err(crate::serial::panic_message(p.as_ref())));
+            .unwrap_or_else(|p| Err(anyhow::anyhow!(crate::serial::panic_message(p.as_ref()))));
         match loaded {
             Ok(e) => {
                 loading.set(e);
@@ -260,7 +265,7 @@ where
                 let _ = std::io::Write::flush(&mut std::io::stdout());
             }
             Err(e) => {
-                eprintln!("error: {e}");
+                eprintln!("error: {e:#}");
                 std::process::exit(1);
             }
         }

@@ -27,11 +27,12 @@ use common::engine::{
     Engine, EngineError, EngineEvent, EngineLoad, EngineRequest, EngineStream, Finish,
 };
 use p04_transformer::Tokenizer;
-use p05_kv_cache::generate::{FinishReason, GenerateParams, Sequence, Step};
+use p05_kv_cache::generate::{GenerateParams, Sequence, Step};
 use p05_kv_cache::kv_cache::KvCache;
 use p06_server::gauges::EngineGauges;
 use p06_server::input::{InputProcessor, Prepared};
 use p06_server::serial::{engine_error, token_out};
+use p06_server::StartError;
 use tokio::sync::mpsc;
 
 use crate::stats::BatchStats;
@@ -98,7 +99,7 @@ impl BatchingEngine {
         tokenizer: Arc<Tokenizer>,
         name: &str,
         config: BatchConfig,
-    ) -> Result<BatchingEngine, String>
+    ) -> Result<BatchingEngine, StartError>
     where
         M: BatchModel + 'static,
     {
@@ -107,8 +108,7 @@ impl BatchingEngine {
             max_waiting: config.max_waiting.max(1),
             ..config
         };
-        let input =
-            InputProcessor::new(tokenizer.clone(), model.info()).map_err(|e| e.to_string())?;
+        let input = InputProcessor::new(tokenizer.clone(), model.info())?;
         let (queue, rx) = std_mpsc::sync_channel(config.max_waiting);
         let shared = Arc::new(Shared::default());
         let worker = {
@@ -116,7 +116,7 @@ impl BatchingEngine {
             std::thread::Builder::new()
                 .name("model".into())
                 .spawn(move || model_thread(&*model, &tokenizer, &rx, &shared, config))
-                .map_err(|e| format!("cannot start the model thread: {e}"))?
+                .map_err(StartError::Thread)?
         };
         let escaped = name.replace('\\', "\\\\").replace('"', "\\\"");
         Ok(BatchingEngine {
@@ -405,11 +405,7 @@ fn run_batch<M: BatchModel>(
             if is_token {
                 let _ = m.job.events.send(EngineEvent::Token(token_out(tok, &step)));
             }
-            if let Some(f) = step.finish {
-                let finish = match f {
-                    FinishReason::Stop => Finish::Stop,
-                    FinishReason::Length => Finish::Length,
-                };
+            if let Some(finish) = step.finish {
                 m.done(finish, &shared.gauges);
             }
         }

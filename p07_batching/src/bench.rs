@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use common::batch::{Batch, BatchModel, KvStore};
-use common::stats::{time_it, BenchConfig};
+use common::stats::{time_it, BenchConfig, Summary};
 use p05_kv_cache::kv_cache::KvCache;
 use p05_kv_cache::llama_engine::LlamaEngine;
 
@@ -24,6 +24,10 @@ pub struct StepPoint {
     pub batched_s: f64,
     /// Median seconds of one single-sequence step (B of them make the same work).
     pub single_s: f64,
+    /// Seconds of one batched step: median, p95, ... over the samples.
+    pub batched: Summary,
+    /// Seconds of one single-sequence step: median, p95, ... over the samples.
+    pub single: Summary,
     /// Bytes a step must read: the weights once, plus every sequence's K/V.
     pub bytes: f64,
     /// FLOPs of a step: projections and MLP (2 per weight per token) plus attention.
@@ -116,6 +120,8 @@ pub fn measure(
         batch,
         batched_s: batched.median,
         single_s: single.median,
+        batched,
+        single,
         bytes: params * 4.0 + kv_bytes,
         flops: 2.0 * params * batch as f64 + attn_flops,
     })

@@ -9,6 +9,7 @@ use clap::Args;
 use common::loadgen::Arrival;
 use common::numbers::{command_line, Recorder, Row};
 use common::plot::{line_chart, Labels, Scale, Series};
+use common::stats::summarize;
 use p05_kv_cache::llama_engine::LlamaEngine;
 
 use crate::bench::{matmul_params, measure, StepPoint};
@@ -24,7 +25,7 @@ pub struct StepArgs {
     pub batches: Vec<usize>,
     #[arg(long, value_delimiter = ',', default_value = "64,512")]
     pub positions: Vec<usize>,
-    /// Timed steps per point (median reported).
+    /// Timed steps per point (median and p95 reported).
     #[arg(long, default_value_t = 5)]
     pub samples: usize,
     #[arg(long)]
@@ -97,18 +98,19 @@ pub fn step(a: &StepArgs) -> Result<()> {
                 p.bytes / p.batched_s / 1e9,
                 p.flops / p.batched_s / 1e9,
             );
-            rows.push(
-                Row::new(
-                    format!("p07 batched decode pos {pos} batch {b}"),
-                    p.batched_tok_per_s(),
-                    "tok/s",
-                )
-                .predicted(format!("{:.0} (roofline)", predict(b))),
-            );
-            rows.push(Row::new(
-                format!("p07 single-sequence decode pos {pos} (beside batch {b})"),
-                p.single_tok_per_s(),
+            rows.extend(Row::rate_median_p95(
+                format!("p07 batched decode pos {pos} batch {b}"),
+                b as f64,
+                &p.batched,
                 "tok/s",
+                format!("{:.0} (roofline)", predict(b)),
+            ));
+            rows.extend(Row::rate_median_p95(
+                format!("p07 single-sequence decode pos {pos} (beside batch {b})"),
+                1.0,
+                &p.single,
+                "tok/s",
+                "",
             ));
             if b > 1 {
                 let target = match b {
@@ -118,7 +120,9 @@ pub fn step(a: &StepArgs) -> Result<()> {
                 };
                 rows.push(
                     Row::new(
-                        format!("p07 batch {b} / batch 1 decode tok/s, pos {pos}"),
+                        format!(
+                            "p07 batch {b} / batch 1 decode tok/s, pos {pos} (ratio of medians)"
+                        ),
                         p.batched_tok_per_s() / b1,
                         "x",
                     )
@@ -281,25 +285,36 @@ pub async fn serve(a: &ServeBenchArgs) -> Result<()> {
         let (_, r) = drive(e.batching(batching(16, 5))?, &name, one, &warm, &reqs).await?;
         ttft_batched.extend(r.iter().map(|r| r.ttft * 1e3));
     }
-    let (ms, mb) = (median(ttft_serial), median(ttft_batched));
+    let (ss, sb) = (summarize(&ttft_serial), summarize(&ttft_batched));
+    let (ms, mb) = (ss.median, sb.median);
     println!(
-        "idle engine (c=1, A B A B, {} requests a side): TTFT median serial {ms:.1} ms, batcher {mb:.1} ms (added {:+.2} ms)",
+        "idle engine (c=1, A B A B, {} requests a side): TTFT median serial {ms:.1} ms, batcher {mb:.1} ms (added {:+.2} ms); p95 {:.1} vs {:.1} ms",
         2 * a.idle_requests,
-        mb - ms
+        mb - ms,
+        ss.p95,
+        sb.p95
     );
-    rows.push(Row::new(
-        "p07 serial (p06) TTFT median, idle engine (c=1)",
+    rows.extend(Row::median_p95(
+        "p07 serial (p06) TTFT, idle engine (c=1)",
         ms,
+        ss.p95,
         "ms",
+        "",
     ));
-    rows.push(Row::new(
-        "p07 batcher TTFT median, idle engine (c=1)",
+    rows.extend(Row::median_p95(
+        "p07 batcher TTFT, idle engine (c=1)",
         mb,
+        sb.p95,
         "ms",
+        "",
     ));
     rows.push(
-        Row::new("p07 batcher added TTFT, idle engine (c=1)", mb - ms, "ms")
-            .predicted("<= 1 ms (target)"),
+        Row::new(
+            "p07 batcher added TTFT, idle engine (c=1) (difference of medians)",
+            mb - ms,
+            "ms",
+        )
+        .predicted("<= 1 ms (target)"),
     );
     if a.slow_requests > 0 {
         let reqs = requests(&e.tok, 64, &vec![8; a.slow_requests], a.seed + 4);
@@ -314,19 +329,27 @@ pub async fn serve(a: &ServeBenchArgs) -> Result<()> {
             "0.1 req/s: TTFT median serial {:.1} ms, batcher {:.1} ms (added {added:+.2} ms)",
             serial.ttft.median, batched.ttft.median
         );
-        rows.push(Row::new(
-            "p07 serial (p06) TTFT median at 0.1 req/s",
+        rows.extend(Row::median_p95(
+            "p07 serial (p06) TTFT at 0.1 req/s",
             serial.ttft.median,
+            serial.ttft.p95,
             "ms",
+            "",
         ));
-        rows.push(Row::new(
-            "p07 batcher TTFT median at 0.1 req/s",
+        rows.extend(Row::median_p95(
+            "p07 batcher TTFT at 0.1 req/s",
             batched.ttft.median,
+            batched.ttft.p95,
             "ms",
+            "",
         ));
         rows.push(
-            Row::new("p07 batcher added TTFT at 0.1 req/s", added, "ms")
-                .predicted("<= 1 ms (target)"),
+            Row::new(
+                "p07 batcher added TTFT at 0.1 req/s (difference of medians)",
+                added,
+                "ms",
+            )
+            .predicted("<= 1 ms (target)"),
         );
     }
 
@@ -367,21 +390,24 @@ pub async fn serve(a: &ServeBenchArgs) -> Result<()> {
                     r.request_throughput,
                     "req/s",
                 ));
-                rows.push(
-                    Row::new(
-                        format!("p07 sweep TTFT p50/p95/p99, {cfg}"),
-                        r.ttft.median,
-                        "ms",
-                    )
-                    .predicted(format!(
-                        "p95 {:.0} ms, p99 {:.0} ms (measured)",
-                        r.ttft.p95, r.ttft.p99
-                    )),
-                );
-                rows.push(Row::new(
-                    format!("p07 sweep TPOT p50, {cfg}"),
-                    r.tpot.median,
+                rows.extend(Row::median_p95(
+                    format!("p07 sweep TTFT, {cfg}"),
+                    r.ttft.median,
+                    r.ttft.p95,
                     "ms",
+                    "",
+                ));
+                rows.push(Row::new(
+                    format!("p07 sweep TTFT p99, {cfg}"),
+                    r.ttft.p99,
+                    "ms",
+                ));
+                rows.extend(Row::median_p95(
+                    format!("p07 sweep TPOT, {cfg}"),
+                    r.tpot.median,
+                    r.tpot.p95,
+                    "ms",
+                    "",
                 ));
                 pts.push((wait as f64, r.ttft.p95));
             }
@@ -408,23 +434,28 @@ pub async fn serve(a: &ServeBenchArgs) -> Result<()> {
     let mixed = [16, 256, 16, 256, 16, 256, 16, 256];
     let (ttft_mixed, empty_mixed) = late_arrivals(&e, &mixed, 4, delay, a.seed + 3).await?;
     println!(
-        "lock-step: newcomers' TTFT median {ttft_short:.0} ms behind an all-short batch, {ttft_mixed:.0} ms behind a mixed one; empty decode slots {:.0}% vs {:.0}%",
+        "lock-step: newcomers' TTFT median {:.0} ms (p95 {:.0}) behind an all-short batch, {:.0} ms (p95 {:.0}) behind a mixed one; empty decode slots {:.0}% vs {:.0}%",
+        ttft_short.median,
+        ttft_short.p95,
+        ttft_mixed.median,
+        ttft_mixed.p95,
         100.0 * empty_short,
         100.0 * empty_mixed
     );
-    rows.push(Row::new(
-        "p07 lock-step: newcomer TTFT median behind 8 x 16-token batch",
-        ttft_short,
+    rows.extend(Row::median_p95(
+        "p07 lock-step: newcomer TTFT behind 8 x 16-token batch",
+        ttft_short.median,
+        ttft_short.p95,
         "ms",
+        "",
     ));
-    rows.push(
-        Row::new(
-            "p07 lock-step: newcomer TTFT median behind 4 x 16 + 4 x 256-token batch",
-            ttft_mixed,
-            "ms",
-        )
-        .predicted("~ the 256-token members' decode time (~250 steps of batch 4-8)"),
-    );
+    rows.extend(Row::median_p95(
+        "p07 lock-step: newcomer TTFT behind 4 x 16 + 4 x 256-token batch",
+        ttft_mixed.median,
+        ttft_mixed.p95,
+        "ms",
+        "~ the 256-token members' decode time (~250 steps of batch 4-8)",
+    ));
     rows.push(
         Row::new(
             "p07 lock-step: empty decode slots, 4 x 16 + 4 x 256 tokens",
@@ -437,9 +468,4 @@ pub async fn serve(a: &ServeBenchArgs) -> Result<()> {
         Recorder::for_workspace(command_line("p07_batching")).append(&rows)?;
     }
     Ok(())
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    common::stats::percentile_sorted(&v, 50.0)
 }

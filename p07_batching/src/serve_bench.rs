@@ -16,7 +16,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use common::engine::Engine;
-use common::loadgen::{self, Api, Arrival, LoadConfig, LoadRequest, Report, RequestRecord, Slo};
+use common::loadgen::{
+    self, Api, Arrival, LoadConfig, LoadRequest, MetricSummary, Report, RequestRecord, Slo,
+};
 use common::rng::Rng;
 use p04_transformer::Tokenizer;
 use p05_kv_cache::llama_engine::LlamaEngine;
@@ -90,14 +92,15 @@ pub async fn load(
 /// The lock-step penalty: a batch of 8 (`outputs` tokens each) starts, and
 /// `late` short requests (16 tokens) arrive `delay` later. They wait for the
 /// whole batch: its longest member sets their TTFT. Returns the late
-/// requests' TTFT median (ms) and the batch's share of empty decode slots.
+/// requests' TTFT (median, p95, ... in ms) and the batch's share of empty
+/// decode slots.
 pub async fn late_arrivals(
     e: &Engines,
     outputs: &[usize],
     late: usize,
     delay: Duration,
     seed: u64,
-) -> Result<(f64, f64)> {
+) -> Result<(MetricSummary, f64)> {
     let engine = e.batching(BatchConfig {
         max_batch: outputs.len(),
         max_wait: Duration::from_millis(20),
@@ -131,7 +134,7 @@ pub async fn late_arrivals(
     let after = engine.stats();
     let empty = (after.empty_slot_steps - before.empty_slot_steps) as f64
         / (after.slot_steps - before.slot_steps).max(1) as f64;
-    Ok((report.ttft.median, empty))
+    Ok((report.ttft, empty))
 }
 
 /// The two engines under test, on one loaded model.

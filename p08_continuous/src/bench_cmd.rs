@@ -18,7 +18,7 @@ use clap::Args;
 use common::batch::{Batch, BatchModel};
 use common::numbers::{command_line, Recorder, Row};
 use common::plot::{line_chart, Labels, Scale, Series};
-use common::stats::{time_it, BenchConfig};
+use common::stats::{time_it, BenchConfig, Summary};
 use p05_kv_cache::kv_cache::KvCache;
 use p05_kv_cache::llama_engine::LlamaEngine;
 use p07_batching::bench::decode_stores;
@@ -40,7 +40,7 @@ pub struct BudgetArgs {
     /// The streams' position.
     #[arg(long, default_value_t = 256)]
     pub pos: usize,
-    /// Timed steps per point (median reported).
+    /// Timed steps per point (median and p95 reported).
     #[arg(long, default_value_t = 7)]
     pub samples: usize,
     /// The allowed slow-down of a running stream's step while a prompt is prefilled.
@@ -57,8 +57,9 @@ pub fn plots_dir() -> std::path::PathBuf {
     common::assets::workspace_root().join("p08_continuous/plots")
 }
 
-/// Median seconds of one step with `d` decode tokens at `pos` and a
-/// prefill chunk of `c` tokens at positions `chunk_at..chunk_at + c`.
+/// Seconds of one step (median, p95, ... over `samples`) with `d` decode
+/// tokens at `pos` and a prefill chunk of `c` tokens at positions
+/// `chunk_at..chunk_at + c`.
 pub fn step_time(
     engine: &LlamaEngine,
     d: usize,
@@ -66,7 +67,7 @@ pub fn step_time(
     chunk_at: usize,
     pos: usize,
     samples: usize,
-) -> Result<f64> {
+) -> Result<Summary> {
     let s = engine.kv_shape();
     let vocab = engine.model.cfg.vocab_size;
     let mut kv = decode_stores(engine, d, pos);
@@ -103,7 +104,7 @@ pub fn step_time(
     if let Some(e) = failed {
         return Err(e.into());
     }
-    Ok(t.median)
+    Ok(t)
 }
 
 /// Least-squares line through (x, y): (intercept, slope).
@@ -139,13 +140,16 @@ pub fn budget(a: &BudgetArgs) -> Result<()> {
         let mut pts = Vec::new();
         print!("{d:>4}");
         for &c in &a.chunks {
-            let t = step_time(&engine, d, c, 0, a.pos, a.samples)?;
+            let s = step_time(&engine, d, c, 0, a.pos, a.samples)?;
+            let t = s.median;
             print!(" {:>8.1}", t * 1e3);
             pts.push((c as f64, t * 1e3));
-            rows.push(Row::new(
+            rows.extend(Row::median_p95(
                 format!("p08 step time, {d} decodes + {c}-token chunk"),
                 t * 1e3,
+                s.p95 * 1e3,
                 "ms",
+                "",
             ));
         }
         let t0 = pts.iter().find(|p| p.0 == 0.0).map_or(pts[0].1, |p| p.1);
@@ -156,7 +160,7 @@ pub fn budget(a: &BudgetArgs) -> Result<()> {
         let budget = ((d as f64 + max_chunk) / 16.0).floor() as usize * 16;
         println!(" {k:>9.3} {max_chunk:>10.0} {budget:>8}");
         rows.push(Row::new(
-            format!("p08 prefill cost per chunk token beside {d} decodes (fit)"),
+            format!("p08 prefill cost per chunk token beside {d} decodes (fit to medians)"),
             k,
             "ms/token",
         ));
@@ -183,17 +187,20 @@ pub fn budget(a: &BudgetArgs) -> Result<()> {
     // A chunk late in a long prompt pays for its attention over every
     // earlier key: the same chunk at position `far` vs at 0, beside 4 decodes.
     let (c, far) = (32, a.far);
-    let near_t = step_time(&engine, 4, c, 0, a.pos, a.samples)? * 1e3;
-    let far_t = step_time(&engine, 4, c, far, a.pos, a.samples)? * 1e3;
+    let near_t = step_time(&engine, 4, c, 0, a.pos, a.samples)?.median * 1e3;
+    let far_s = step_time(&engine, 4, c, far, a.pos, a.samples)?;
+    let far_t = far_s.median * 1e3;
     let extra_per_token = (far_t - near_t) / (c as f64 * k); // prompt-token units
     let attn_positions = far as f64 / extra_per_token.max(1e-9);
     println!(
         "a {c}-token chunk at position {far}: {far_t:.1} ms vs {near_t:.1} at 0 -> attention costs a prompt token's work at position ~{attn_positions:.0}  ->  --step-attn-positions {attn_positions:.0}"
     );
-    rows.push(Row::new(
+    rows.extend(Row::median_p95(
         format!("p08 step time, 4 decodes + {c}-token chunk at position {far}"),
         far_t,
+        far_s.p95 * 1e3,
         "ms",
+        "",
     ));
     rows.push(Row::new(
         "p08 step cost: position where a prompt token's attention doubles its cost (fit)",

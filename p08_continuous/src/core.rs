@@ -105,6 +105,21 @@ pub struct SeqOutput {
     pub completion_tokens: usize,
 }
 
+/// Why a step's forward did not run. The backend's and the model's own
+/// error types are kept (boxed: the core is generic over both), so a
+/// caller can downcast and act on the kind (e.g. a full pool).
+#[derive(Debug, Error)]
+pub enum StepError {
+    #[error("sequence {0} has no tokens for its chunk")]
+    NoTokens(SeqId),
+    #[error(transparent)]
+    Batch(#[from] common::batch::BatchError),
+    #[error("K/V stores: {0}")]
+    Stores(#[source] Box<dyn std::error::Error + Send + Sync>),
+    #[error("forward: {0}")]
+    Model(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
 /// What one step did.
 #[derive(Debug, Default)]
 pub struct StepOutput {
@@ -112,8 +127,9 @@ pub struct StepOutput {
     /// Sequences that sampled, in batch order; those whose `step.finish` is
     /// set have been retired.
     pub outputs: Vec<SeqOutput>,
-    /// Sequences retired because the step failed, with the reason.
-    pub failed: Vec<(SeqId, String)>,
+    /// Sequences retired because the step failed, with the reason (one
+    /// error shared by every sequence of the failed step).
+    pub failed: Vec<(SeqId, std::sync::Arc<StepError>)>,
     /// Choices of parallel sampling that forked their parent's K/V in this
     /// step and now run (they sampled their first token here).
     pub forked: Vec<SeqId>,
@@ -233,7 +249,7 @@ impl<'a, M: BatchModel, B: KvBackend> EngineCore<'a, M, B> {
                 return Err(SchedulerError::Duplicate(id).into());
             }
             let mut p = params.clone();
-            p.sampling.seed = p.sampling.seed.wrapping_add(i);
+            p.sampling.seed = Some(p.sampling.seed.unwrap_or(0).wrapping_add(i));
             let seq = Sequence::new::<M::Error>(info, prompt, &p)?;
             children.push(Pending { id, seq, max_len });
         }
@@ -341,6 +357,7 @@ impl<'a, M: BatchModel, B: KvBackend> EngineCore<'a, M, B> {
             Err(e) => {
                 // A fault of the step fails every sequence in it; the
                 // others (waiting) are untouched.
+                let e = std::sync::Arc::new(e);
                 let failed = plan
                     .seqs
                     .iter()
@@ -366,7 +383,7 @@ impl<'a, M: BatchModel, B: KvBackend> EngineCore<'a, M, B> {
 
     /// One batched, ragged forward over every scheduled chunk: a decode
     /// token, a prompt chunk, or a preempted sequence's recomputation.
-    fn run(&mut self, plan: &StepPlan) -> Result<(), String> {
+    fn run(&mut self, plan: &StepPlan) -> Result<(), StepError> {
         self.batch.clear();
         let mut chunks = Vec::with_capacity(plan.seqs.len());
         for s in &plan.seqs {
@@ -375,10 +392,8 @@ impl<'a, M: BatchModel, B: KvBackend> EngineCore<'a, M, B> {
                 .0
                 .get(&s.id)
                 .and_then(|seq| seq.history().get(s.start..s.start + s.len))
-                .ok_or_else(|| format!("sequence {} has no tokens for its chunk", s.id))?;
-            self.batch
-                .push(tokens, s.start)
-                .map_err(|e| e.to_string())?;
+                .ok_or(StepError::NoTokens(s.id))?;
+            self.batch.push(tokens, s.start)?;
             chunks.push(Chunk {
                 id: s.id,
                 start: s.start,
@@ -387,7 +402,10 @@ impl<'a, M: BatchModel, B: KvBackend> EngineCore<'a, M, B> {
         }
         let vocab = self.model.info().vocab_size;
         self.logits.resize(plan.seqs.len() * vocab, 0.0);
-        let mut stores = self.kv.stores(&chunks)?;
+        let mut stores = self
+            .kv
+            .stores(&chunks)
+            .map_err(|e| StepError::Stores(Box::new(e)))?;
         let mut refs: Vec<&mut B::Store<'_>> = stores.iter_mut().collect();
         self.model
             .forward_batch(
@@ -396,7 +414,7 @@ impl<'a, M: BatchModel, B: KvBackend> EngineCore<'a, M, B> {
                 &mut self.workspace,
                 &mut self.logits,
             )
-            .map_err(|e| e.to_string())
+            .map_err(|e| StepError::Model(Box::new(e)))
     }
 
     /// Sample where a chunk reached the end of its sequence (and fork the

@@ -24,15 +24,16 @@ use common::engine::{
     Engine, EngineError, EngineEvent, EngineLoad, EngineRequest, EngineStream, Finish,
 };
 use p04_transformer::Tokenizer;
-use p05_kv_cache::generate::{FinishReason, GenerateParams};
+use p05_kv_cache::generate::GenerateParams;
 use p06_server::gauges::EngineGauges;
 use p06_server::input::{InputProcessor, Prepared};
 use p06_server::serial::{engine_error, token_out};
+use p06_server::StartError;
 use tokio::sync::mpsc;
 
 use crate::core::{AddError, ContinuousConfig, EngineCore, StepOutput};
 use crate::kv_backend::{ContiguousKv, KvBackend};
-use crate::scheduler::{Scheduler, SeqId};
+use crate::scheduler::{Scheduler, SchedulerError, SeqId};
 use crate::stats::StepStats;
 
 /// A request on its way to the model thread.
@@ -72,7 +73,7 @@ impl ContinuousEngine {
         tokenizer: Arc<Tokenizer>,
         name: &str,
         config: ContinuousConfig,
-    ) -> Result<ContinuousEngine, String>
+    ) -> Result<ContinuousEngine, StartError>
     where
         M: BatchModel + 'static,
     {
@@ -87,7 +88,7 @@ impl ContinuousEngine {
         name: &str,
         config: ContinuousConfig,
         kv: B,
-    ) -> Result<ContinuousEngine, String>
+    ) -> Result<ContinuousEngine, StartError>
     where
         M: BatchModel + 'static,
         B: KvBackend + Send + 'static,
@@ -97,10 +98,9 @@ impl ContinuousEngine {
             ..config
         };
         // Fail here, not on the thread, when the knobs are inconsistent.
-        Scheduler::new(config.scheduler_config()).map_err(|e| e.to_string())?;
+        Scheduler::new(config.scheduler_config()).map_err(|e| StartError::Config(Box::new(e)))?;
         let capacity = kv.capacity_bytes();
-        let input =
-            InputProcessor::new(tokenizer.clone(), model.info()).map_err(|e| e.to_string())?;
+        let input = InputProcessor::new(tokenizer.clone(), model.info())?;
         let (queue, rx) = std_mpsc::channel();
         let shared = Arc::new(Shared::default());
         shared
@@ -113,7 +113,7 @@ impl ContinuousEngine {
             std::thread::Builder::new()
                 .name("model".into())
                 .spawn(move || model_thread(&*model, &tokenizer, kv, &rx, &shared, &config))
-                .map_err(|e| format!("cannot start the model thread: {e}"))?
+                .map_err(StartError::Thread)?
         };
         let escaped = name.replace('\\', "\\\\").replace('"', "\\\"");
         Ok(ContinuousEngine {
@@ -284,10 +284,16 @@ fn model_thread<M: BatchModel, B: KvBackend>(
                     gauges.waiting.fetch_sub(n, Ordering::SeqCst);
                     let err = match e {
                         AddError::Request(e) => engine_error(e),
-                        AddError::Scheduler(e) => EngineError::InvalidRequest {
-                            message: e.to_string(),
-                            param: Some("max_tokens".into()),
-                        },
+                        // Only a sequence too long for the cache is the
+                        // request's fault (its prompt + max_tokens); the
+                        // others are this engine's bugs or settings.
+                        AddError::Scheduler(e @ SchedulerError::TooLong { .. }) => {
+                            EngineError::InvalidRequest {
+                                message: e.to_string(),
+                                param: Some("max_tokens".into()),
+                            }
+                        }
+                        AddError::Scheduler(e) => EngineError::Internal(e.to_string()),
                     };
                     for events in job.events {
                         let _ = events.send(EngineEvent::Error(err.clone()));
@@ -368,9 +374,9 @@ fn stream(
     for (id, message) in out.failed {
         if let Some(c) = clients.remove(&id) {
             leave(gauges, &c);
-            let _ = c
-                .events
-                .send(EngineEvent::Error(EngineError::Internal(message)));
+            let _ = c.events.send(EngineEvent::Error(EngineError::Internal(
+                message.to_string(),
+            )));
         }
     }
     for o in out.outputs {
@@ -380,11 +386,7 @@ fn stream(
         if o.is_token {
             let _ = c.events.send(EngineEvent::Token(token_out(tok, &o.step)));
         }
-        if let Some(f) = o.step.finish {
-            let finish = match f {
-                FinishReason::Stop => Finish::Stop,
-                FinishReason::Length => Finish::Length,
-            };
+        if let Some(finish) = o.step.finish {
             if let Some(c) = clients.remove(&o.id) {
                 leave(gauges, &c);
                 gauges.observe_service(c.arrival.elapsed().as_secs_f64());

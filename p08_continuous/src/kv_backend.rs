@@ -58,9 +58,12 @@ pub trait KvBackend: KvAllocator {
     where
         Self: 's;
 
+    /// Why `stores` could not hand out a chunk's store.
+    type Error: std::error::Error + Send + Sync + 'static;
+
     /// The stores of a step's chunks, in order (each made writable by
     /// [`KvAllocator::grow`] or admission before).
-    fn stores(&mut self, chunks: &[Chunk]) -> Result<Vec<Self::Store<'_>>, String>;
+    fn stores(&mut self, chunks: &[Chunk]) -> Result<Vec<Self::Store<'_>>, Self::Error>;
 
     /// After a step: the first `computed` of `tokens` have their K/V (a
     /// paged backend caches full blocks here).
@@ -241,10 +244,16 @@ impl KvAllocator for ContiguousKv {
     }
 }
 
+/// A chunk whose sequence has no cache here (or that appears twice).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("sequence {0} has no K/V cache (or appears twice)")]
+pub struct NoStore(pub SeqId);
+
 impl KvBackend for ContiguousKv {
     type Store<'s> = &'s mut KvCache;
+    type Error = NoStore;
 
-    fn stores(&mut self, chunks: &[Chunk]) -> Result<Vec<&mut KvCache>, String> {
+    fn stores(&mut self, chunks: &[Chunk]) -> Result<Vec<&mut KvCache>, NoStore> {
         let mut by_id: HashMap<SeqId, &mut KvCache> = self
             .caches
             .iter_mut()
@@ -253,11 +262,7 @@ impl KvBackend for ContiguousKv {
             .collect();
         chunks
             .iter()
-            .map(|c| {
-                by_id
-                    .remove(&c.id)
-                    .ok_or_else(|| format!("sequence {} has no K/V cache (or appears twice)", c.id))
-            })
+            .map(|c| by_id.remove(&c.id).ok_or(NoStore(c.id)))
             .collect()
     }
 

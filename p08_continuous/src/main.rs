@@ -11,6 +11,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use p06_server::server;
+use p06_server::LoadError;
 #[cfg(feature = "bench")]
 use p08_continuous::bench_cmd;
 use p08_continuous::cli::SchedArgs;
@@ -71,11 +72,13 @@ async fn serve(a: ServeArgs) -> Result<()> {
     let spec = a.listen.model.clone();
     let state = server::load_in_background(&name, a.listen.max_body_bytes, move |name| {
         let path = server::resolve_model(&spec)?;
-        let loaded =
-            p05_kv_cache::load::load(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let loaded = p05_kv_cache::load::load(&path).map_err(|source| LoadError::Model {
+            path: path.clone(),
+            source: Box::new(source),
+        })?;
         let tokenizer = loaded
             .tokenizer
-            .ok_or_else(|| format!("{} has no tokenizer to serve text with", path.display()))?;
+            .ok_or_else(|| LoadError::NoTokenizer { path: path.clone() })?;
         let engine =
             ContinuousEngine::start(Arc::new(loaded.engine), Arc::new(tokenizer), name, config)?;
         Ok(Arc::new(engine))

@@ -375,18 +375,30 @@ pub async fn serve(a: &ServeArgs) -> Result<()> {
             let d = common::stats::summarize(&during);
             let (p99_steady, p99_during) = (percentile(&steady, 99.0), percentile(&during, 99.0));
             println!(
-                "{name:>10} long-prompt arrival: steady ITL p50 {:.1} p99 {p99_steady:.1} ms; during its prefill max {:.1} p99 {p99_during:.1} ms ({:.2}x steady p50, {:.2}x steady p99); its TTFT {:.0} ms",
+                "{name:>10} long-prompt arrival: steady ITL p50 {:.1} p95 {:.1} p99 {p99_steady:.1} ms; during its prefill p50 {:.1} p95 {:.1} max {:.1} p99 {p99_during:.1} ms ({:.2}x steady p50, {:.2}x steady p99); its TTFT {:.0} ms",
                 s.median,
+                s.p95,
+                d.median,
+                d.p95,
                 d.max,
                 p99_during / s.median,
                 p99_during / p99_steady,
                 long_report.ttft.median
             );
             let tag = format!("[{name}]");
-            rows.push(Row::new(
-                format!("p08 long-prompt arrival: steady ITL p50 {tag}"),
+            rows.extend(Row::median_p95(
+                format!("p08 long-prompt arrival: steady ITL {tag}"),
                 s.median,
+                s.p95,
                 "ms",
+                "",
+            ));
+            rows.extend(Row::median_p95(
+                format!("p08 long-prompt arrival: ITL during prefill {tag}"),
+                d.median,
+                d.p95,
+                "ms",
+                "",
             ));
             rows.push(Row::new(
                 format!("p08 long-prompt arrival: ITL max during prefill {tag}"),

@@ -73,11 +73,12 @@ impl KvAllocator for PagedKv {
 
 impl KvBackend for PagedKv {
     type Store<'s> = PagedStore<'s>;
+    type Error = PoolError;
 
-    fn stores(&mut self, chunks: &[Chunk]) -> Result<Vec<PagedStore<'_>>, String> {
+    fn stores(&mut self, chunks: &[Chunk]) -> Result<Vec<PagedStore<'_>>, PoolError> {
         let chunks: Vec<(SeqId, usize, usize)> =
             chunks.iter().map(|c| (c.id, c.start, c.len)).collect();
-        self.m.stores(&chunks).map_err(|e| e.to_string())
+        self.m.stores(&chunks)
     }
 
     fn commit(&mut self, id: SeqId, tokens: &[u32], computed: usize) {

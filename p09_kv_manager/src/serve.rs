@@ -38,7 +38,7 @@ pub struct PagedArgs {
 /// background: `/health` answers 503 until it is ready).
 pub async fn serve<L>(cli: ServeArgs, load: L) -> anyhow::Result<()>
 where
-    L: FnOnce(&Path) -> Result<Loaded, String> + Send + 'static,
+    L: FnOnce(&Path) -> anyhow::Result<Loaded> + Send + 'static,
 {
     let name = cli.listen.name();
     let listener = cli.listen.bind().await?;
@@ -50,14 +50,13 @@ where
         let loaded = load(&path)?;
         let tokenizer = loaded
             .tokenizer
-            .ok_or_else(|| format!("{} has no tokenizer to serve text with", path.display()))?;
+            .ok_or_else(|| p06_server::LoadError::NoTokenizer { path: path.clone() })?;
         let kv = PagedKv::new(
             loaded.engine.kv_shape(),
             paged.block_size,
             config.kv_cache_bytes,
             !paged.no_prefix_caching,
-        )
-        .map_err(|e| e.to_string())?;
+        )?;
         let engine = ContinuousEngine::start_with_backend(
             Arc::new(loaded.engine),
             Arc::new(tokenizer),

@@ -201,7 +201,7 @@ fn many_requests_in_a_tiny_pool_all_finish_unchanged() {
 fn sampled(max_tokens: usize, seed: u64) -> GenerateParams {
     let mut p = GenerateParams::greedy(max_tokens);
     p.sampling.temperature = 0.9;
-    p.sampling.seed = seed;
+    p.sampling.seed = Some(seed);
     p
 }
 

@@ -10,7 +10,8 @@ fn main() -> anyhow::Result<()> {
     for _ in 0..rounds {
         for (on, out) in [(false, &mut single), (true, &mut fused)] {
             p10_quant::matrix::set_fused_groups(on);
-            let (decode, _) = p05_kv_cache::bench::decode_profile(&loaded.engine, 3)?;
+            let (runs, _) = p05_kv_cache::bench::decode_profile(&loaded.engine, 3)?;
+            let decode = common::stats::summarize(&runs).median;
             out.push(decode);
         }
         println!(

@@ -23,10 +23,9 @@ use common::plot::{line_chart, Labels, Scale, Series};
 use common::stats::{time_it, BenchConfig};
 use p04_transformer::Proj;
 use p05_kv_cache::llama_engine::LlamaEngine;
-use p05_kv_cache::load::Loaded;
 use p05_kv_cache::sampling::argmax;
 
-use crate::loader::{load, load_native, rss_bytes};
+use crate::loader::{load, load_native};
 use crate::{Dot, NativeWeights};
 
 #[derive(Clone, Debug, Args)]
@@ -90,8 +89,8 @@ pub fn accuracy(f32e: &LlamaEngine, nat: &LlamaEngine, prompts: &[Vec<u32>]) -> 
     Ok((kl_sum / n as f64, agree as f64 / n as f64))
 }
 
-/// Median seconds of one product x (1, in) → (1, out).
-fn gemv_seconds(p: &Proj, threads: usize) -> f64 {
+/// Seconds of one product x (1, in) → (1, out), at least 30 timings.
+fn gemv_seconds(p: &Proj, threads: usize) -> common::stats::Summary {
     let x = vec![0.1f32; p.in_features()];
     let mut y = vec![0.0f32; p.out_features()];
     let cfg = BenchConfig {
@@ -103,11 +102,12 @@ fn gemv_seconds(p: &Proj, threads: usize) -> f64 {
     time_it(cfg, || {
         p.apply_into(&x, 1, &mut y, threads).expect("shapes")
     })
-    .median
 }
 
-/// llama.cpp's `llama-bench` on the same file: (pp256, pp1024, tg128) tok/s.
-fn llama_bench(bin: &Path, model: &Path, threads: usize) -> Result<(f64, f64, f64)> {
+/// llama.cpp's `llama-bench` on the same file: (pp256, pp1024, tg128), each
+/// the tok/s of every repetition (its `samples_ts`).
+#[allow(clippy::type_complexity)]
+fn llama_bench(bin: &Path, model: &Path, threads: usize) -> Result<(Vec<f64>, Vec<f64>, Vec<f64>)> {
     let exe = bin.join("llama-bench");
     let out = std::process::Command::new(&exe)
         .env("LD_LIBRARY_PATH", bin)
@@ -141,8 +141,15 @@ fn llama_bench(bin: &Path, model: &Path, threads: usize) -> Result<(f64, f64, f6
             .into_iter()
             .flatten()
             .find(|r| r["n_prompt"] == p && r["n_gen"] == g)
-            .and_then(|r| r["avg_ts"].as_f64())
-            .context("a llama-bench row is missing")
+            .and_then(|r| {
+                let runs: Vec<f64> = r["samples_ts"]
+                    .as_array()?
+                    .iter()
+                    .filter_map(serde_json::Value::as_f64)
+                    .collect();
+                (!runs.is_empty()).then_some(runs)
+            })
+            .context("a llama-bench row (or its samples_ts) is missing")
     };
     Ok((find(256, 0)?, find(1024, 0)?, find(0, 128)?))
 }
@@ -207,12 +214,21 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     // 2. Speeds, f32 vs native vs llama.cpp.
     let bytes_nat = bytes_per_token(ne) as f64;
     let bytes_f32 = bytes_per_token(fe) as f64;
-    let (dec_f, step_f) = p05_kv_cache::bench::decode_profile(fe, 3)?;
-    let (dec_n, step_n) = p05_kv_cache::bench::decode_profile(ne, 3)?;
+    let (dec_f_runs, step_f) = p05_kv_cache::bench::decode_profile(fe, 3)?;
+    let (dec_n_runs, step_n) = p05_kv_cache::bench::decode_profile(ne, 3)?;
+    let med = |v: &[f64]| common::stats::summarize(v).median;
+    let (dec_f, dec_n) = (med(&dec_f_runs), med(&dec_n_runs));
     // Prefill in interleaved pairs: one prefill cell moves 10–30% between
     // runs on this VM, more than the difference being measured.
-    let (pre_f, pre_n, pre_ratio) = prefill_pairs(fe, ne, 256, 7)?;
-    let (pre1k_f, pre1k_n, pre1k_ratio) = prefill_pairs(fe, ne, 1024, 3)?;
+    let pairs256 = prefill_pairs(fe, ne, 256, 7)?;
+    let pairs1k = prefill_pairs(fe, ne, 1024, 3)?;
+    let (pre_f, pre_n, pre_ratio) = (
+        med(&pairs256.f32),
+        med(&pairs256.native),
+        med(&pairs256.ratio),
+    );
+    let (pre1k_f, pre1k_n, pre1k_ratio) =
+        (med(&pairs1k.f32), med(&pairs1k.native), med(&pairs1k.ratio));
     println!("2. decode tok/s: f32 {dec_f:.1}, native {dec_n:.1}; prefill 256: f32 {pre_f:.0}, native {pre_n:.0} (median native/f32 of 7 interleaved pairs {pre_ratio:.2}); prefill 1024: f32 {pre1k_f:.0}, native {pre1k_n:.0} (of 3 pairs {pre1k_ratio:.2})");
     println!(
         "   decode step (3 x 128 steps): f32 median {:.2} ms, p95 {:.2} ms; native median {:.2} ms, p95 {:.2} ms",
@@ -221,50 +237,93 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         step_n.median * 1e3,
         step_n.p95 * 1e3
     );
-    rows.push(Row::new("p10 decode f32, 128 after 16", dec_f, "tok/s"));
+    rows.extend(Row::rates_median_p5(
+        "p10 decode f32, 128 after 16",
+        &dec_f_runs,
+        "tok/s",
+        "",
+    ));
     for (path, st) in [("f32", &step_f), ("native", &step_n)] {
         let metric = format!("p10 decode step {path}, 3 x 128 after 16");
         rows.push(Row::new(format!("{metric}, median"), st.median * 1e3, "ms"));
         rows.push(Row::new(format!("{metric}, p95"), st.p95 * 1e3, "ms"));
     }
-    rows.push(
-        Row::new("p10 decode native, 128 after 16", dec_n, "tok/s").predicted(format!(
+    rows.extend(Row::rates_median_p5(
+        "p10 decode native, 128 after 16",
+        &dec_n_runs,
+        "tok/s",
+        format!(
             "~{:.1}x f32 (bytes {:.0} vs {:.0} MB)",
             bytes_f32 / bytes_nat,
             bytes_nat / 1e6,
             bytes_f32 / 1e6
-        )),
-    );
-    rows.push(Row::new("p10 prefill f32, 256", pre_f, "tok/s"));
-    rows.push(Row::new("p10 prefill native, 256", pre_n, "tok/s").predicted(">= f32 (target)"));
-    rows.push(
-        Row::new(
-            "p10 prefill 256 native / f32, median of 7 interleaved pairs",
-            pre_ratio,
-            "x",
-        )
-        .predicted(">= 1.0 (target; weights expanded inside p02's loop)"),
-    );
-    rows.push(Row::new("p10 prefill f32, 1024", pre1k_f, "tok/s"));
-    rows.push(Row::new("p10 prefill native, 1024", pre1k_n, "tok/s"));
-    rows.push(Row::new(
-        "p10 prefill 1024 native / f32, median of 3 interleaved pairs",
-        pre1k_ratio,
-        "x",
+        ),
     ));
+    for (n, pairs, pred) in [
+        (
+            256,
+            &pairs256,
+            ">= 1.0 (target; weights expanded inside p02's loop)",
+        ),
+        (1024, &pairs1k, ""),
+    ] {
+        rows.extend(Row::rates_median_p5(
+            format!("p10 prefill f32, {n}"),
+            &pairs.f32,
+            "tok/s",
+            "",
+        ));
+        rows.extend(Row::rates_median_p5(
+            format!("p10 prefill native, {n}"),
+            &pairs.native,
+            "tok/s",
+            if n == 256 { ">= f32 (target)" } else { "" },
+        ));
+        let r = common::stats::summarize(&pairs.ratio);
+        rows.extend(Row::median_p95(
+            format!(
+                "p10 prefill {n} native / f32, per-pair ratio of {} interleaved pairs",
+                pairs.ratio.len()
+            ),
+            r.median,
+            r.p95,
+            "x",
+            pred,
+        ));
+    }
     if !a.no_peer {
         match llama_bench(&a.llamacpp, &path, threads) {
-            Ok((pp256, pp1k, tg)) => {
+            Ok((pp256_runs, pp1k_runs, tg_runs)) => {
+                let (pp256, pp1k, tg) = (med(&pp256_runs), med(&pp1k_runs), med(&tg_runs));
                 println!("   llama.cpp: decode {tg:.1}, prefill 256 {pp256:.0}, 1024 {pp1k:.0}; native / llama.cpp decode {:.2}x", dec_n / tg);
-                rows.push(Row::new("p10 llama.cpp decode tg128", tg, "tok/s"));
-                rows.push(Row::new("p10 llama.cpp prefill pp256", pp256, "tok/s"));
-                rows.push(Row::new("p10 llama.cpp prefill pp1024", pp1k, "tok/s"));
+                rows.extend(Row::rates_median_p5(
+                    "p10 llama.cpp decode tg128",
+                    &tg_runs,
+                    "tok/s",
+                    "",
+                ));
+                rows.extend(Row::rates_median_p5(
+                    "p10 llama.cpp prefill pp256",
+                    &pp256_runs,
+                    "tok/s",
+                    "",
+                ));
+                rows.extend(Row::rates_median_p5(
+                    "p10 llama.cpp prefill pp1024",
+                    &pp1k_runs,
+                    "tok/s",
+                    "",
+                ));
                 rows.push(
-                    Row::new("p10 decode native / llama.cpp", dec_n / tg, "x")
-                        .predicted(">= 1.0x (target), 1.5x (stretch)"),
+                    Row::new(
+                        "p10 decode native / llama.cpp (ratio of medians)",
+                        dec_n / tg,
+                        "x",
+                    )
+                    .predicted(">= 1.0x (target), 1.5x (stretch)"),
                 );
                 rows.push(Row::new(
-                    "p10 prefill 256 native / llama.cpp",
+                    "p10 prefill 256 native / llama.cpp (ratio of medians)",
                     pre_n / pp256,
                     "x",
                 ));
@@ -278,15 +337,11 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         let parts = p05_kv_cache::bench::breakdown(e, 80)?;
         let line: Vec<String> = parts
             .iter()
-            .map(|(l, s)| format!("{l}: {:.2} ms", s * 1e3))
+            .map(|p| format!("{}: {:.2} ms", p.label, p.median_s * 1e3))
             .collect();
         println!("3. {name} decode step at position 80: {}", line.join("; "));
-        for (l, s) in parts {
-            rows.push(Row::new(
-                format!("p10 decode split {name}: {l}"),
-                s * 1e3,
-                "ms",
-            ));
+        for p in parts {
+            rows.extend(p.rows(&format!("p10 decode split {name}")));
         }
     }
 
@@ -321,7 +376,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             .into_iter()
             .enumerate()
         {
-            let s = gemv_seconds(p, threads);
+            let timing = gemv_seconds(p, threads);
+            let s = timing.median;
             let bytes = p.weights().weight_bytes() as f64;
             let gbs = bytes / s / 1e9;
             let flops = 2.0 * (p.in_features() * p.out_features()) as f64 / s / 1e9;
@@ -332,15 +388,17 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 p.weights().format(),
                 s * 1e6
             );
-            rows.push(Row::new(
+            rows.extend(Row::rate_median_p95(
                 format!(
                     "p10 GEMV {kind} {}x{} {name} ({})",
                     p.out_features(),
                     p.in_features(),
                     p.weights().format()
                 ),
-                gbs,
+                bytes / 1e9,
+                &timing,
                 "GB/s",
+                "",
             ));
             curves[c].push((bytes / 1e6, gbs));
         }
@@ -388,16 +446,19 @@ fn p02_read_bandwidth(threads: usize) -> f64 {
     p02_matmul_bench::ceilings::read_bandwidth(256 << 20, threads)
 }
 
+/// Prefill tok/s per pair, f32 and native, and the per-pair ratios.
+#[derive(Clone, Debug, Default)]
+struct Pairs {
+    f32: Vec<f64>,
+    native: Vec<f64>,
+    ratio: Vec<f64>,
+}
+
 /// Prefill tok/s of `n` tokens, f32 and native alternately (each going
-/// first in turn) for `pairs` rounds (each a median of 3, p05's `prefill_speed`): (median f32,
-/// median native, median of the per-pair ratios native / f32).
-fn prefill_pairs(
-    fe: &LlamaEngine,
-    ne: &LlamaEngine,
-    n: usize,
-    pairs: usize,
-) -> Result<(f64, f64, f64)> {
-    let (mut f, mut q, mut r) = (Vec::new(), Vec::new(), Vec::new());
+/// first in turn) for `pairs` rounds (each a median of 3, p05's
+/// `prefill_speed`), with the per-pair ratios native / f32.
+fn prefill_pairs(fe: &LlamaEngine, ne: &LlamaEngine, n: usize, pairs: usize) -> Result<Pairs> {
+    let mut out = Pairs::default();
     for pair in 0..pairs {
         // The two paths take turns going first.
         let (a, b) = if pair % 2 == 0 {
@@ -407,10 +468,9 @@ fn prefill_pairs(
             let b = p05_kv_cache::bench::prefill_speed(ne, n)?;
             (p05_kv_cache::bench::prefill_speed(fe, n)?, b)
         };
-        f.push(a);
-        q.push(b);
-        r.push(b / a);
+        out.f32.push(a);
+        out.native.push(b);
+        out.ratio.push(b / a);
     }
-    let med = |v: &[f64]| common::stats::summarize(v).median;
-    Ok((med(&f), med(&q), med(&r)))
+    Ok(out)
 }

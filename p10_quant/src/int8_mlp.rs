@@ -233,7 +233,7 @@ pub struct Int8Report {
 /// Project 01's MLP in `dir`, f32 (Project 01's engine) vs int8 per
 /// channel, on `data` (safetensors with `images` (n, in) and `labels` (n)).
 pub fn evaluate(dir: &Path, data: &Path, dot: Dot, threads: usize) -> Result<Int8Report> {
-    let engine = p01_engine::engine::Engine::load(dir)?;
+    let engine = p01_engine::engine::Graph::load(dir)?;
     let q = Int8Mlp::load(dir, dot)?;
     let mut f = common::st::load(data)?;
     let images = f.take("images")?;
@@ -246,7 +246,7 @@ pub fn evaluate(dir: &Path, data: &Path, dot: Dot, threads: usize) -> Result<Int
     let out = q.out_features();
     let argmax = |l: &[f32]| -> Vec<usize> {
         l.chunks_exact(out)
-            .map(|r| p05_kv_cache::sampling::argmax(r) as usize)
+            .map(|r| common::argmax(r) as usize)
             .collect()
     };
     let (pf, p8, p88) = (argmax(f32_logits.data()), argmax(&w8), argmax(&w8a8));

@@ -76,7 +76,7 @@ fn tensor_of_shape<'f>(
 fn matrix_err<'a>(f: &'a GgufFile, name: &'a str) -> impl Fn(MatrixError) -> ModelError + 'a {
     move |e| ModelError::Weights {
         name: format!("{}: {name}", f.path.display()),
-        msg: e.to_string(),
+        source: Box::new(e),
     }
 }
 
@@ -114,7 +114,7 @@ impl ProjLoader for Requantize {
         p04_transformer::dequantize(info.ty, f.tensor_bytes(info), &mut w).map_err(|e| {
             ModelError::Weights {
                 name: format!("{}: {name}", f.path.display()),
-                msg: e.to_string(),
+                source: Box::new(e),
             }
         })?;
         let m = QuantMatrix::quantize(&w, out, inp, self.format, self.weights.dot)

@@ -102,7 +102,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         Some(Cmd::Rss(a)) => {
-            let path = p06_server::server::resolve_model(&a.model).map_err(anyhow::Error::msg)?;
+            let path = p06_server::server::resolve_model(&a.model)?;
             let loaded = p10_quant::loader::load(&path, a.weights == Weights::Native)?;
             println!("{}", p10_quant::loader::rss_bytes());
             drop(loaded);
@@ -121,7 +121,7 @@ fn serve(a: Serve) -> Result<()> {
         eprintln!("native weights, {} kernels", Dot::detect().isa());
     }
     rt.block_on(p09_kv_manager::serve::serve(a.serve, move |path| {
-        p10_quant::loader::load(path, native).map_err(|e| format!("{e:#}"))
+        p10_quant::loader::load(path, native)
     }))
 }
 

@@ -116,7 +116,7 @@ pub enum MatrixError {
     #[error("row permutation of length {got} for {rows} rows, or a source row out of range")]
     Permutation { rows: usize, got: usize },
     #[error("f32 product: {0}")]
-    Gemm(String),
+    Gemm(#[from] p02_matmul_bench::GemmError),
     #[error("x has {x} values and y {y}; {m} rows need {} and {}", m * k, m * n)]
     Io {
         m: usize,
@@ -362,7 +362,7 @@ impl QuantMatrix {
         how: PanelExpansion,
     ) -> Result<(), MatrixError> {
         let (n, k) = self.check_io(x, m, y)?;
-        let gemm = |e: p02_matmul_bench::GemmError| MatrixError::Gemm(e.to_string());
+        let gemm = MatrixError::Gemm;
         if how == PanelExpansion::InLoop {
             // W[j0..j0 + count, p0..p0 + kc]: p0 and kc are whole blocks.
             let produce = |j0: usize, count: usize, p0: usize, kc: usize, out: &mut [f32]| {
@@ -470,7 +470,7 @@ impl LinearWeights for QuantMatrix {
         self.matmul(x, rows, y, Pool::global(), threads)
             .map_err(|e| ModelError::Weights {
                 name: self.format_name().into(),
-                msg: e.to_string(),
+                source: Box::new(e),
             })
     }
 
@@ -517,7 +517,7 @@ impl LinearWeights for QuantMatrix {
             }
             Err(crate::int_path::GroupError::Matrix(e)) => Err(ModelError::Weights {
                 name: self.format_name().into(),
-                msg: e.to_string(),
+                source: Box::new(e),
             }),
             Ok(()) => Ok(()),
         }

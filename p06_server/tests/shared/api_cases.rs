@@ -20,7 +20,7 @@ fn reference(max_tokens: usize) -> (usize, String, usize) {
         .unwrap();
     let params = GenerateParams {
         max_tokens,
-        sampling: SamplingParams::default(),
+        sampling: SamplingParams::greedy(),
         stop_ids: vec![],
         stop_strings: vec![],
         ignore_eos: false,
