@@ -55,6 +55,7 @@ def bench_transformers(reps):
 
 def bench_llamacpp(reps):
     import llama_cpp
+    import numpy as np
     from llama_cpp import Llama
     llm = Llama(model_path=os.path.join(GGUF_DIR, GGUF), n_ctx=512, n_threads=2, n_threads_batch=2, n_batch=512, verbose=False, logits_all=False)
     pre, dec, greedy = [], [], []
@@ -67,7 +68,12 @@ def bench_llamacpp(reps):
         llm.eval(DECODE_PROMPT)
         t = time.perf_counter()
         for _ in range(N_DECODE):
-            nxt = int(llm.scores[llm.n_tokens - 1].argmax())
+            # The last position's logits, read from the context: with
+            # logits_all=False, llama-cpp-python 0.3.x no longer copies them
+            # into `llm.scores` (it stays zeros, so its argmax was always
+            # token 0: the greedy-agreement row of 2026-11-30 caught it).
+            last = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+            nxt = int(last.argmax())
             if rep == 0:
                 greedy.append(nxt)
             llm.eval([nxt])

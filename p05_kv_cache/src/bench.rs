@@ -178,14 +178,17 @@ pub fn breakdown(engine: &LlamaEngine, pos: usize) -> Result<Vec<Part>> {
 /// What a peer reported: its name and version, every timed run's rate,
 /// and the greedy ids of its untimed first decode run.
 #[derive(Clone, Debug)]
-struct PeerRun {
-    name: String,
-    prefill: Vec<f64>,
-    decode: Vec<f64>,
-    greedy: Vec<u32>,
+pub struct PeerRun {
+    pub name: String,
+    pub prefill: Vec<f64>,
+    pub decode: Vec<f64>,
+    pub greedy: Vec<u32>,
 }
 
-fn peer(python: &Path, which: &str) -> Result<PeerRun> {
+/// Run `scripts/bench_p05_peers.py --peer WHICH` (`transformers` or
+/// `llamacpp`) with `python`: speeds on this crate's fixed prompts and the
+/// greedy ids of its untimed first decode run.
+pub fn peer(python: &Path, which: &str) -> Result<PeerRun> {
     let root = common::assets::workspace_root();
     let out = Command::new(python)
         .arg(root.join("scripts/bench_p05_peers.py"))

@@ -292,6 +292,38 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         ));
     }
     if !a.no_peer {
+        // Before timing llama.cpp: how far do its greedy tokens agree with
+        // ours? Its Q4_1 path quantises activations to 8 bits, as our
+        // native path does, so native should follow it longer than f32.
+        let python = common::assets::workspace_root().join(".venv-peer/bin/python");
+        match p05_kv_cache::bench::peer(&python, "llamacpp") {
+            Ok(run) => {
+                for (label, e) in [("native", ne), ("f32", fe)] {
+                    let ours = p05_kv_cache::bench::greedy_ids(e, run.greedy.len())?;
+                    let (prefix, same) = p05_kv_cache::bench::agreement(&ours, &run.greedy);
+                    let n = ours.len();
+                    println!("   greedy agreement {label} vs {}: {prefix} of {n} tokens before the first difference, {same} positions equal", run.name);
+                    rows.push(
+                        Row::new(
+                            format!("p10 greedy agreement {label} vs {}: tokens equal before the first difference", run.name),
+                            prefix as f64,
+                            format!("tokens of {n}"),
+                        )
+                        .predicted(if label == "native" {
+                            "most or all (both Q4_1 weights with 8-bit activations; block-sum order differs)"
+                        } else {
+                            "fewer (f32 activations leave llama.cpp's path after some tokens)"
+                        }),
+                    );
+                    rows.push(Row::new(
+                        format!("p10 greedy agreement {label} vs {}: positions equal", run.name),
+                        same as f64,
+                        format!("tokens of {n}"),
+                    ));
+                }
+            }
+            Err(e) => println!("   greedy agreement with llama.cpp skipped (needs .venv-peer, see p05's README): {e:#}"),
+        }
         match llama_bench(&a.llamacpp, &path, threads) {
             Ok((pp256_runs, pp1k_runs, tg_runs)) => {
                 let (pp256, pp1k, tg) = (med(&pp256_runs), med(&pp1k_runs), med(&tg_runs));
