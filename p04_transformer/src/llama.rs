@@ -427,6 +427,9 @@ pub fn rms_norm(x: &[f32], d: usize, w: &[f32], eps: f32) -> Vec<f32> {
 
 /// [`rms_norm`] into a caller-owned buffer of the same length as `x`.
 pub fn rms_norm_into(x: &[f32], d: usize, w: &[f32], eps: f32, y: &mut [f32]) {
+    if d == 0 {
+        return; // no rows to normalise (and `chunks_exact(0)` would panic)
+    }
     for (xr, yr) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
         let ms = xr.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / d as f64;
         let inv = (1.0 / (ms + f64::from(eps)).sqrt()) as f32;
@@ -470,6 +473,9 @@ pub fn apply_rope(
     cos: &[f32],
     sin: &[f32],
 ) {
+    if hd == 0 {
+        return; // nothing to rotate (and `chunks_exact_mut(0)` would panic)
+    }
     let half = hd / 2;
     for b in 0..batch {
         for p in 0..seq {
@@ -534,7 +540,9 @@ pub fn causal_attention(
     nkv: usize,
     hd: usize,
 ) -> Vec<f32> {
-    let group = nh / nkv;
+    // Query heads per KV head; a zero count (never from a validated
+    // config) reads as 1 rather than dividing by zero.
+    let group = nh.checked_div(nkv).unwrap_or(1).max(1);
     let scale = 1.0 / (hd as f32).sqrt();
     let mut out = vec![0.0f32; batch * seq * nh * hd];
     let mut scores = vec![0.0f32; seq];

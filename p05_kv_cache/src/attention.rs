@@ -30,7 +30,9 @@ pub struct Heads {
 impl Heads {
     /// The KV head a query head reads (grouped-query attention).
     pub fn kv_head(&self, head: usize) -> usize {
-        head / (self.n_head / self.n_kv_head)
+        // A zero KV-head count (never from a validated config) reads as
+        // one group rather than dividing by zero.
+        head / self.n_head.checked_div(self.n_kv_head).unwrap_or(1).max(1)
     }
 }
 
