@@ -62,12 +62,6 @@ pub fn speed_runs(engine: &LlamaEngine) -> Result<(Vec<f64>, Vec<f64>)> {
     Ok((pre, dec))
 }
 
-/// (prefill tok/s on 256 tokens, decode tok/s for 128 tokens after 16), medians of 3.
-pub fn speeds(engine: &LlamaEngine) -> Result<(f64, f64)> {
-    let (pre, dec) = speed_runs(engine)?;
-    Ok((summarize(&pre).median, summarize(&dec).median))
-}
-
 /// Decode of 128 tokens after a 16-token prompt, `runs` times: (each
 /// run's tok/s, the summary of every step's seconds, so a timing row can
 /// give the median and the p95 of a token's latency).
@@ -244,6 +238,28 @@ pub fn agreement(ours: &[u32], theirs: &[u32]) -> (usize, usize) {
     (prefix, same)
 }
 
+/// Print and return the two agreement rows of `ours` against a peer's
+/// greedy ids: "<metric>: tokens equal before the first difference" (with
+/// `prediction`) and "<metric>: positions equal", in tokens of `ours.len()`.
+pub fn agreement_rows(metric: &str, ours: &[u32], theirs: &[u32], prediction: &str) -> [Row; 2] {
+    let (prefix, same) = agreement(ours, theirs);
+    let n = ours.len();
+    println!("  {metric}: {prefix} of {n} tokens equal before the first difference, {same} positions equal");
+    [
+        Row::new(
+            format!("{metric}: tokens equal before the first difference"),
+            prefix as f64,
+            format!("tokens of {n}"),
+        )
+        .predicted(prediction),
+        Row::new(
+            format!("{metric}: positions equal"),
+            same as f64,
+            format!("tokens of {n}"),
+        ),
+    ]
+}
+
 pub fn run(
     engine: &LlamaEngine,
     _model_path: &Path,
@@ -351,26 +367,16 @@ pub fn run(
                     let name = &run.name;
                     // First: does the peer compute the same thing? Greedy
                     // ids of its untimed first run against ours.
-                    let (prefix, same) = agreement(&ours_greedy, &run.greedy);
-                    let n = ours_greedy.len();
                     let why = if which == "llamacpp" {
                         "llama.cpp keeps Q4_1 weights and quantises activations to 8 bits; ours is the f32 reference, so they part after some tokens"
                     } else {
                         "same weights (dequantised GGUF) in f32: expect all or nearly all"
                     };
-                    println!("  {name}: greedy tokens equal to ours before the first difference {prefix} of {n} ({same} positions equal); {why}");
-                    rows.push(
-                        Row::new(
-                            format!("p05 greedy agreement with {name}: tokens equal before the first difference"),
-                            prefix as f64,
-                            format!("tokens of {n}"),
-                        )
-                        .predicted(why),
-                    );
-                    rows.push(Row::new(
-                        format!("p05 greedy agreement with {name}: positions equal"),
-                        same as f64,
-                        format!("tokens of {n}"),
+                    rows.extend(agreement_rows(
+                        &format!("p05 greedy agreement with {name}"),
+                        &ours_greedy,
+                        &run.greedy,
+                        why,
                     ));
                     let p = summarize(&run.prefill).median;
                     let d = summarize(&run.decode).median;

@@ -300,25 +300,15 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             Ok(run) => {
                 for (label, e) in [("native", ne), ("f32", fe)] {
                     let ours = p05_kv_cache::bench::greedy_ids(e, run.greedy.len())?;
-                    let (prefix, same) = p05_kv_cache::bench::agreement(&ours, &run.greedy);
-                    let n = ours.len();
-                    println!("   greedy agreement {label} vs {}: {prefix} of {n} tokens before the first difference, {same} positions equal", run.name);
-                    rows.push(
-                        Row::new(
-                            format!("p10 greedy agreement {label} vs {}: tokens equal before the first difference", run.name),
-                            prefix as f64,
-                            format!("tokens of {n}"),
-                        )
-                        .predicted(if label == "native" {
+                    rows.extend(p05_kv_cache::bench::agreement_rows(
+                        &format!("p10 greedy agreement {label} vs {}", run.name),
+                        &ours,
+                        &run.greedy,
+                        if label == "native" {
                             "most or all (both Q4_1 weights with 8-bit activations; block-sum order differs)"
                         } else {
                             "fewer (f32 activations leave llama.cpp's path after some tokens)"
-                        }),
-                    );
-                    rows.push(Row::new(
-                        format!("p10 greedy agreement {label} vs {}: positions equal", run.name),
-                        same as f64,
-                        format!("tokens of {n}"),
+                        },
                     ));
                 }
             }
