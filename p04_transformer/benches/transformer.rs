@@ -9,7 +9,7 @@
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use p04_transformer::model::Transformer;
 
-fn smollm2() -> p04_transformer::model::Loaded {
+fn smollm2() -> p04_transformer::model::LoadedTransformer {
     let path = common::assets::ensure(common::assets::Asset::SmolLm2)
         .unwrap_or_else(|e| panic!("SmolLM2 is needed: {e}"));
     Transformer::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))

@@ -78,11 +78,11 @@ pub enum GgufError {
         tensor: String,
         ty: u32,
     },
-    #[error("{path}: tensor `{tensor}`: {msg}")]
+    #[error("{path}: tensor `{tensor}`: {problem}")]
     Tensor {
         path: PathBuf,
         tensor: String,
-        msg: String,
+        problem: TensorProblem,
     },
     #[error(
         "{path}: general.alignment is {value}; expected a power of two in 1..={MAX_ALIGNMENT}"
@@ -101,6 +101,36 @@ pub enum GgufError {
     },
     #[error("{path}: tensor `{name}` is missing")]
     MissingTensor { path: PathBuf, name: String },
+}
+
+/// What is wrong with one tensor's entry in a GGUF file.
+#[derive(Debug, Error)]
+pub enum TensorProblem {
+    #[error("n_dims is {0}, expected 1..={MAX_DIMS}")]
+    Rank(u32),
+    #[error("dim {dim} is {value}, expected 1..={}", usize::MAX)]
+    Dim { dim: u32, value: u64 },
+    #[error("dims {0:?} overflow")]
+    Overflow(Vec<usize>),
+    #[error("dim 0 is {dim0}, not a multiple of the {ty:?} block size {block}")]
+    Block {
+        dim0: usize,
+        ty: GgmlType,
+        block: usize,
+    },
+    #[error("offset {offset} is not a multiple of the alignment {alignment}")]
+    Misaligned { offset: u64, alignment: usize },
+    #[error("data at offset {offset} + {n_bytes} bytes lies outside the file ({file_len} bytes, data section at {data_start})")]
+    OutsideFile {
+        offset: u64,
+        n_bytes: usize,
+        file_len: usize,
+        data_start: usize,
+    },
+    #[error(transparent)]
+    Dequant(#[from] crate::dequant::DequantError),
+    #[error(transparent)]
+    Shape(#[from] common::TensorError),
 }
 
 /// A metadata value.
@@ -374,21 +404,21 @@ pub fn parse(bytes: &[u8], path: &Path) -> Result<GgufHeader, GgufError> {
     let mut raw = Vec::with_capacity((n_tensors as usize).min(c.left() / 24 + 1));
     for i in 0..n_tensors {
         let name = c.string(&format!("tensor {i} name"))?;
-        let terr = |msg: String| GgufError::Tensor {
+        let terr = |problem: TensorProblem| GgufError::Tensor {
             path: path.to_path_buf(),
             tensor: name.clone(),
-            msg,
+            problem,
         };
         let n_dims = c.u32(&format!("tensor `{name}` n_dims"))?;
         if !(1..=MAX_DIMS).contains(&n_dims) {
-            return Err(terr(format!("n_dims is {n_dims}, expected 1..={MAX_DIMS}")));
+            return Err(terr(TensorProblem::Rank(n_dims)));
         }
         let mut dims = Vec::with_capacity(n_dims as usize);
         for d in 0..n_dims {
             let v = c.u64(&format!("tensor `{name}` dim {d}"))?;
             match usize::try_from(v) {
                 Ok(v) if v > 0 => dims.push(v),
-                _ => return Err(terr(format!("dim {d} is {v}, expected 1..={}", usize::MAX))),
+                _ => return Err(terr(TensorProblem::Dim { dim: d, value: v })),
             }
         }
         let ty_id = c.u32(&format!("tensor `{name}` type"))?;
@@ -408,10 +438,10 @@ pub fn parse(bytes: &[u8], path: &Path) -> Result<GgufHeader, GgufError> {
     let mut tensors = Vec::with_capacity(raw.len());
     let mut names = std::collections::HashSet::new();
     for (name, dims, ty, offset) in raw {
-        let terr = |msg: String| GgufError::Tensor {
+        let terr = |problem: TensorProblem| GgufError::Tensor {
             path: path.to_path_buf(),
             tensor: name.clone(),
-            msg,
+            problem,
         };
         if !names.insert(name.clone()) {
             return Err(GgufError::Duplicate {
@@ -423,21 +453,19 @@ pub fn parse(bytes: &[u8], path: &Path) -> Result<GgufHeader, GgufError> {
         let numel = dims
             .iter()
             .try_fold(1usize, |a, &d| a.checked_mul(d))
-            .ok_or_else(|| terr(format!("dims {dims:?} overflow")))?;
+            .ok_or_else(|| terr(TensorProblem::Overflow(dims.clone())))?;
         if !dims[0].is_multiple_of(ty.block_size()) {
-            return Err(terr(format!(
-                "dim 0 is {}, not a multiple of the {ty:?} block size {}",
-                dims[0],
-                ty.block_size()
-            )));
+            return Err(terr(TensorProblem::Block {
+                dim0: dims[0],
+                ty,
+                block: ty.block_size(),
+            }));
         }
         let n_bytes = ty
             .bytes_for(numel)
-            .ok_or_else(|| terr(format!("dims {dims:?} overflow in bytes")))?;
+            .ok_or_else(|| terr(TensorProblem::Overflow(dims.clone())))?;
         if !offset.is_multiple_of(alignment as u64) {
-            return Err(terr(format!(
-                "offset {offset} is not a multiple of the alignment {alignment}"
-            )));
+            return Err(terr(TensorProblem::Misaligned { offset, alignment }));
         }
         let start = usize::try_from(offset)
             .ok()
@@ -452,10 +480,12 @@ pub fn parse(bytes: &[u8], path: &Path) -> Result<GgufHeader, GgufError> {
                 n_bytes,
             }),
             _ => {
-                return Err(terr(format!(
-                    "data at offset {offset} + {n_bytes} bytes lies outside the file ({} bytes, data section at {data_start})",
-                    bytes.len()
-                )))
+                return Err(terr(TensorProblem::OutsideFile {
+                    offset,
+                    n_bytes,
+                    file_len: bytes.len(),
+                    data_start,
+                }))
             }
         }
     }

@@ -29,7 +29,7 @@ pub mod weights;
 
 pub use dequant::{dequantize, GgmlType};
 pub use error::ModelError;
-pub use gguf::{GgufError, GgufHeader, TensorInfo, Value};
+pub use gguf::{GgufError, GgufHeader, TensorInfo, TensorProblem, Value};
 pub use gpt2::{Gpt2, Gpt2Config};
 pub use llama::{Llama, LlamaConfig};
 pub use model_file::GgufFile;

@@ -93,13 +93,17 @@ pub fn qk_row_source(n_head: usize, head_dim: usize) -> Vec<usize> {
 }
 
 /// Undo GGUF's Q/K row permutation (see [`qk_row_source`]) so the HF
-/// rotate-half RoPE applies.
-pub fn unpermute_qk(w: &[f32], n_head: usize, head_dim: usize, cols: usize) -> Vec<f32> {
+/// rotate-half RoPE applies. `None` unless `w` is (n_head * head_dim, cols).
+pub fn unpermute_qk(w: &[f32], n_head: usize, head_dim: usize, cols: usize) -> Option<Vec<f32>> {
+    let rows = n_head.checked_mul(head_dim)?;
+    if rows.checked_mul(cols)? != w.len() {
+        return None;
+    }
     let mut out = vec![0.0f32; w.len()];
     for (dst, src) in qk_row_source(n_head, head_dim).into_iter().enumerate() {
         out[dst * cols..(dst + 1) * cols].copy_from_slice(&w[src * cols..(src + 1) * cols]);
     }
-    out
+    Some(out)
 }
 
 impl Llama {
@@ -166,7 +170,15 @@ impl Llama {
             }
             let w = src.get(name, &[out, inp])?;
             match heads {
-                Some(h) => Proj::new(&unpermute_qk(&w, h, hd, inp), out, inp),
+                Some(h) => {
+                    let w = unpermute_qk(&w, h, hd, inp).ok_or_else(|| ModelError::Shape {
+                        path: f.path.clone(),
+                        name: name.to_string(),
+                        expected: vec![h.saturating_mul(hd), inp],
+                        found: vec![w.len() / inp.max(1), inp],
+                    })?;
+                    Proj::new(&w, out, inp)
+                }
                 None => Proj::new(&w, out, inp),
             }
         };
@@ -496,6 +508,11 @@ pub fn apply_rope(
 /// value s at `v[s*stride..]`): out = sum_s softmax_s(q.k_s * scale) v_s.
 /// Shared by the full-sequence pass and the KV-cache decode (Project 05), so
 /// both do the same arithmetic in the same order.
+///
+/// # Panics
+/// If `out` is not `q.len()` long, `scores` is shorter than `n`, or `k`/`v`
+/// hold fewer than `n` rows: a caller's bug, checked up front so that no
+/// length mismatch is silently truncated by a zip.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     q: &[f32],
@@ -508,6 +525,16 @@ pub fn attend(
     out: &mut [f32],
 ) {
     let hd = q.len();
+    let last = n.checked_sub(1).map_or(0, |l| l * stride + hd);
+    assert!(
+        out.len() == hd && scores.len() >= n && k.len() >= last && v.len() >= last,
+        "attend: q and out must be head_dim ({hd}, out {}), scores hold n ({n}, have {}), \
+         k and v hold n rows of stride {stride} ({last}, have {} and {})",
+        out.len(),
+        scores.len(),
+        k.len(),
+        v.len()
+    );
     let mut max = f32::NEG_INFINITY;
     for (s, sc) in scores[..n].iter_mut().enumerate() {
         *sc = p02_matmul_bench::variants::dot(q, &k[s * stride..s * stride + hd]) * scale;

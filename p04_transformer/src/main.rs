@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use p04_transformer::generate::{greedy, Utf8Stream};
-use p04_transformer::model::{Loaded, Transformer};
+use p04_transformer::model::{LoadedTransformer, Transformer};
 
 #[derive(Parser, Debug)]
 #[command(about = "Project 04: a transformer engine (GPT-2, Llama family) from GGUF or HF files")]
@@ -80,7 +80,7 @@ fn main() -> Result<()> {
         let command = common::numbers::command_line("p04_transformer");
         return p04_transformer::tokenize_bench::run(&tok, !no_record, &command);
     }
-    let Loaded { model, tokenizer } = Transformer::load(&path)?;
+    let LoadedTransformer { model, tokenizer } = Transformer::load(&path)?;
     match cli.cmd {
         Cmd::Generate { prompt, n, chat } => {
             let Some(tok) = tokenizer else {

@@ -22,14 +22,14 @@ pub enum Transformer {
 
 /// A model with its tokenizer (when the files carry one we can read).
 #[derive(Debug)]
-pub struct Loaded {
+pub struct LoadedTransformer {
     pub model: Transformer,
     pub tokenizer: Option<Tokenizer>,
 }
 
 impl Transformer {
     /// Load a `.gguf` file or an HF directory.
-    pub fn load(path: &Path) -> Result<Loaded, ModelError> {
+    pub fn load(path: &Path) -> Result<LoadedTransformer, ModelError> {
         if path.is_dir() {
             let cfg_path = path.join("config.json");
             let text = std::fs::read_to_string(&cfg_path).map_err(|source| ModelError::Io {
@@ -58,12 +58,12 @@ impl Transformer {
             } else {
                 None
             };
-            Ok(Loaded { model, tokenizer })
+            Ok(LoadedTransformer { model, tokenizer })
         } else {
             let f = GgufFile::open(path)?;
             let model = Transformer::Llama(Llama::from_gguf(&f)?);
             let tokenizer = Some(Tokenizer::from_gguf(&f.header)?);
-            Ok(Loaded { model, tokenizer })
+            Ok(LoadedTransformer { model, tokenizer })
         }
     }
 

@@ -53,12 +53,12 @@ impl GgufFile {
         dequantize(info.ty, self.tensor_bytes(info), &mut data).map_err(|e| GgufError::Tensor {
             path: self.path.clone(),
             tensor: name.to_string(),
-            msg: e.to_string(),
+            problem: e.into(),
         })?;
         Tensor::new(info.shape(), data).map_err(|e| GgufError::Tensor {
             path: self.path.clone(),
             tensor: name.to_string(),
-            msg: e.to_string(),
+            problem: e.into(),
         })
     }
 }

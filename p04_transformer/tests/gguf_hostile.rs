@@ -260,3 +260,24 @@ fn tensor_table_errors() {
     let e = err_of(&Builder::new().kv_raw("k", 13, &[]));
     assert!(e.contains("value type 13"), "{e}");
 }
+
+#[test]
+fn unpermute_qk_refuses_a_matrix_of_the_wrong_size() {
+    use p04_transformer::llama::unpermute_qk;
+    // 2 heads of 4 rows by 3 columns is 24 values, not 23 or 25.
+    assert!(unpermute_qk(&[0.0; 24], 2, 4, 3).is_some());
+    assert!(unpermute_qk(&[0.0; 23], 2, 4, 3).is_none());
+    assert!(unpermute_qk(&[0.0; 25], 2, 4, 3).is_none());
+    assert!(
+        unpermute_qk(&[], usize::MAX, 2, 2).is_none(),
+        "overflow is None"
+    );
+}
+
+#[test]
+#[should_panic(expected = "attend:")]
+fn attend_refuses_a_short_output_row_instead_of_truncating() {
+    let (q, k, v) = ([1.0f32; 4], [1.0f32; 8], [1.0f32; 8]);
+    let (mut scores, mut out) = ([0.0f32; 2], [0.0f32; 3]);
+    p04_transformer::llama::attend(&q, &k, &v, 4, 2, 1.0, &mut scores, &mut out);
+}

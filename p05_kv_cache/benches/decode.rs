@@ -7,7 +7,7 @@
 use criterion::{criterion_group, BenchmarkId, Criterion};
 use p05_kv_cache::sampling::{Sampler, SamplingParams};
 
-fn smollm2() -> p05_kv_cache::load::Loaded {
+fn smollm2() -> p05_kv_cache::load::LoadedEngine {
     let path = common::assets::ensure(common::assets::Asset::SmolLm2)
         .unwrap_or_else(|e| panic!("SmolLM2 is needed: {e}"));
     p05_kv_cache::load::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
@@ -29,7 +29,7 @@ fn bench_decode_step(c: &mut Criterion) {
             .expect("prefill");
         g.bench_function(BenchmarkId::new("smollm2", pos), |b| {
             b.iter(|| {
-                cache.kv.len = pos;
+                cache.kv.set_len(pos).expect("room for pos + 1");
                 engine.step(&[42], &mut cache, &mut logits).expect("decode");
             })
         });

@@ -49,6 +49,11 @@ pub struct AttentionScratch {
 /// softmax(scale q k^T) v into `out` (head_dim). `scores` has room for
 /// `upto`. The same arithmetic, in the same order, as p04's `attend`, so a
 /// contiguous store gives bit-identical results.
+///
+/// # Panics
+/// If `out` is not `q.len()` long, `scores` is shorter than `upto`, or
+/// `upto` exceeds the positions the store has room for: a caller's bug, checked up
+/// front so that no length mismatch is silently truncated by a zip.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_row<S: KvStore + ?Sized>(
     q: &[f32],
@@ -61,6 +66,15 @@ pub fn attend_row<S: KvStore + ?Sized>(
     out: &mut [f32],
 ) {
     let hd = q.len();
+    assert!(
+        out.len() == hd && scores.len() >= upto && upto <= store.capacity() && hd == store.shape().head_dim,
+        "attend_row: q and out must be head_dim ({}; q {hd}, out {}), scores hold upto ({upto}, have {}), \
+         upto within the store's room for {} positions",
+        store.shape().head_dim,
+        out.len(),
+        scores.len(),
+        store.capacity()
+    );
     let scores = &mut scores[..upto];
     store.for_each_run(layer, kv_head, upto, &mut |p0, keys, _| {
         for (s, k) in keys.chunks_exact(hd).enumerate() {

@@ -34,7 +34,7 @@ pub fn decode_latency(engine: &LlamaEngine, pos: usize) -> Result<Summary> {
         max_samples: 10,
     };
     let s = time_it(cfg, || {
-        cache.kv.len = pos;
+        cache.kv.set_len(pos).expect("room for pos + 2");
         engine
             .step(&[101], &mut cache, &mut logits)
             .expect("room for one");

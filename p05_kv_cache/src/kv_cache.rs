@@ -17,18 +17,21 @@ pub enum CacheError {
     },
 }
 
+/// The fields are private so that `len <= max_seq` and every buffer's
+/// length of `n_kv_head * max_seq * head_dim` hold for every cache safe code
+/// can make; readers use [`KvCache::head`] and the [`KvStore`] methods.
 #[derive(Clone, Debug)]
 pub struct KvCache {
-    pub n_layer: usize,
-    pub n_kv_head: usize,
-    pub head_dim: usize,
-    pub max_seq: usize,
+    n_layer: usize,
+    n_kv_head: usize,
+    head_dim: usize,
+    max_seq: usize,
     /// Positions filled so far.
-    pub len: usize,
+    len: usize,
     /// Per layer: (n_kv_head, max_seq, head_dim).
-    pub k: Vec<Vec<f32>>,
+    k: Vec<Vec<f32>>,
     /// Per layer: (n_kv_head, max_seq, head_dim).
-    pub v: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
 }
 
 impl KvCache {
@@ -79,6 +82,40 @@ impl KvCache {
         self.max_seq = max_seq;
     }
 
+    /// Move the fill mark to `len` (at most `max_seq`). Positions below it
+    /// are read as they are, zeros if never written: a rewind for reuse, or
+    /// a bench timing one step at position `len` without a prefill.
+    pub fn set_len(&mut self, len: usize) -> Result<(), CacheError> {
+        if len > self.max_seq {
+            return Err(CacheError::Full {
+                len: self.len,
+                max_seq: self.max_seq,
+                adding: len.saturating_sub(self.len),
+            });
+        }
+        self.len = len;
+        Ok(())
+    }
+
+    /// Positions filled so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Every key (then value) of `layer`: (n_kv_head, max_seq, head_dim).
+    pub fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
+        (&self.k[layer], &self.v[layer])
+    }
+
+    /// Positions the cache can hold before it must [`grow`](Self::grow).
+    pub fn max_seq(&self) -> usize {
+        self.max_seq
+    }
+
     /// Bytes actually held by the K and V buffers.
     pub fn allocated_bytes(&self) -> usize {
         self.k.iter().chain(&self.v).map(|b| b.capacity() * 4).sum()
@@ -97,8 +134,20 @@ impl KvCache {
     }
 
     /// Store K and V rows (n, n_kv_head * head_dim) of `layer` at positions len..len+n.
+    ///
+    /// # Panics
+    /// If the rows are shorter than `n` rows or `n` positions do not fit
+    /// (the step checks [`check_room`](Self::check_room) first).
     pub fn write(&mut self, layer: usize, k_rows: &[f32], v_rows: &[f32], n: usize) {
         let (hd, w) = (self.head_dim, self.n_kv_head * self.head_dim);
+        assert!(
+            k_rows.len() >= n * w && v_rows.len() >= n * w && self.check_room(n).is_ok(),
+            "KvCache::write: {n} rows of {w} (k {}, v {}) at {} of {}",
+            k_rows.len(),
+            v_rows.len(),
+            self.len,
+            self.max_seq
+        );
         for i in 0..n {
             let pos = self.len + i;
             for h in 0..self.n_kv_head {
@@ -140,8 +189,11 @@ impl KvStore for KvCache {
         KvCache::write(self, layer, k_rows, v_rows, n);
     }
 
+    /// Never past `max_seq`: a caller that advances without room (which
+    /// `check_room` refuses first) keeps the `len <= max_seq` invariant.
     fn advance(&mut self, n: usize) {
-        self.len += n;
+        debug_assert!(self.len.saturating_add(n) <= self.max_seq);
+        self.len = self.len.saturating_add(n).min(self.max_seq);
     }
 
     /// One run: a KV head's positions are contiguous.
@@ -221,5 +273,31 @@ mod tests {
                 adding: 2
             })
         );
+    }
+
+    #[test]
+    fn the_fill_mark_never_passes_the_room() {
+        let mut c = KvCache::new(1, 1, 2, 4);
+        assert_eq!(c.set_len(4), Ok(()));
+        assert_eq!(c.len(), 4);
+        assert!(matches!(c.set_len(5), Err(CacheError::Full { .. })));
+        assert_eq!(c.len(), 4, "a refused set_len changes nothing");
+    }
+
+    #[test]
+    #[should_panic(expected = "KvCache::write")]
+    fn a_write_past_the_room_is_refused_before_any_copy() {
+        let mut c = KvCache::new(1, 1, 2, 1);
+        c.write(0, &[1.0; 4], &[1.0; 4], 2);
+    }
+
+    #[test]
+    #[should_panic(expected = "attend_row")]
+    fn attend_row_refuses_a_short_output_row() {
+        let mut c = KvCache::new(1, 1, 2, 2);
+        c.write(0, &[1.0; 2], &[1.0; 2], 1);
+        c.set_len(1).unwrap();
+        let (mut scores, mut out) = (vec![0.0; 2], vec![0.0; 1]);
+        crate::attention::attend_row(&[1.0, 1.0], &c, 0, 0, 1, 1.0, &mut scores, &mut out);
     }
 }

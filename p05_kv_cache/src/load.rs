@@ -12,19 +12,19 @@ use crate::LocalModelError;
 
 /// An engine and its tokenizer.
 #[derive(Debug)]
-pub struct Loaded {
+pub struct LoadedEngine {
     pub engine: LlamaEngine,
     pub tokenizer: Option<Tokenizer>,
 }
 
 /// Every weight in f32.
-pub fn load(path: &Path) -> Result<Loaded, LocalModelError> {
+pub fn load(path: &Path) -> Result<LoadedEngine, LocalModelError> {
     load_with(path, &F32Weights)
 }
 
 /// A GGUF file's projections in the format `loader` chooses (Project 10:
 /// the file's own quantised blocks); a directory is always f32.
-pub fn load_with(path: &Path, loader: &dyn ProjLoader) -> Result<Loaded, LocalModelError> {
+pub fn load_with(path: &Path, loader: &dyn ProjLoader) -> Result<LoadedEngine, LocalModelError> {
     let (model, tokenizer, name) = if path.is_dir() {
         let tok = path.join("tokenizer.json");
         let tokenizer = if tok.exists() {
@@ -68,7 +68,7 @@ pub fn load_with(path: &Path, loader: &dyn ProjLoader) -> Result<Loaded, LocalMo
         bos_id: tokenizer.as_ref().and_then(|t| t.bos_id),
         stop_ids,
     };
-    Ok(Loaded {
+    Ok(LoadedEngine {
         engine: LlamaEngine::new(model, info),
         tokenizer,
     })

@@ -117,10 +117,15 @@ fn ragged_equals_alone<M: BatchModel>(engine: &M, cases: u64) {
                 d <= 1e-5,
                 "case {case} seq {i}: logits differ by {d:e} of scale"
             );
-            assert_eq!(stores[i].len, kv_want.len, "case {case} seq {i}: length");
+            assert_eq!(
+                stores[i].len(),
+                kv_want.len(),
+                "case {case} seq {i}: length"
+            );
             for l in 0..shape.n_layer {
-                let dk = rel_diff(&stores[i].k[l], &kv_want.k[l]);
-                let dv = rel_diff(&stores[i].v[l], &kv_want.v[l]);
+                let (got, want) = (stores[i].layer(l), kv_want.layer(l));
+                let dk = rel_diff(got.0, want.0);
+                let dv = rel_diff(got.1, want.1);
                 assert!(
                     dk <= 1e-5 && dv <= 1e-5,
                     "case {case} seq {i} layer {l}: K/V differ"
@@ -159,7 +164,7 @@ fn batch_of_one_is_the_model_adapter_exactly() {
     for t in [7u32, 8, 9] {
         engine.decode(t, &mut cache, &mut want).unwrap();
         b.clear();
-        b.push(&[t], kv.len).unwrap();
+        b.push(&[t], kv.len()).unwrap();
         let mut one = &mut kv;
         engine
             .forward_batch(&b, std::slice::from_mut(&mut one), &mut ws, &mut got)
@@ -260,7 +265,7 @@ fn paged_store_gives_the_contiguous_results() {
     for step in 0..11 {
         let mut b = Batch::new();
         for (new, kv) in news.iter().zip(&contiguous) {
-            b.push(new, kv.len).unwrap();
+            b.push(new, kv.len()).unwrap();
         }
         let mut want = vec![0.0; 2 * 101];
         let mut got = vec![0.0; 2 * 101];
@@ -364,8 +369,11 @@ fn a_malformed_step_is_an_error_and_touches_no_store() {
     batch.push(&[1], 0).unwrap();
     let e = check(&batch, &mut [&mut a], 100, &mut ws);
     assert!(matches!(e, BatchError::Logits { .. }), "{e}");
-    assert_eq!((a.len, b_kv.len), (0, 0));
-    assert!(a.k.iter().chain(&a.v).all(|l| l.iter().all(|&x| x == 0.0)));
+    assert_eq!((a.len(), b_kv.len()), (0, 0));
+    assert!((0..a.shape().n_layer).all(|l| {
+        let (k, v) = a.layer(l);
+        k.iter().chain(v).all(|&x| x == 0.0)
+    }));
 }
 
 #[test]

@@ -107,7 +107,7 @@ fn smollm2_cached_greedy_matches_transformers_and_recompute() {
             engine.decode(next, &mut cache, &mut logits).unwrap();
         }
         assert_eq!(got, want, "prompt {p}: cached greedy continuation");
-        assert_eq!(cache.kv.len, prompt.len() + 32);
+        assert_eq!(cache.kv.len(), prompt.len() + 32);
         // The step-at-a-time Generator the server drives: same tokens, same
         // text, and a log-probability for each (the greedy token is the top one).
         let params = GenerateParams {

@@ -106,10 +106,20 @@ pub fn load_tokenizer(spec: &str) -> Result<Tokenizer> {
 /// A prompt of exactly `len` tokens of ordinary text: random ids from the
 /// vocabulary's plain tokens, decoded, re-encoded and cut until the text
 /// round-trips (what vLLM's random dataset does, plus the round-trip).
-pub fn random_prompt(tok: &Tokenizer, len: usize, rng: &mut Rng) -> (String, Vec<u32>) {
+pub fn random_prompt(tok: &Tokenizer, len: usize, rng: &mut Rng) -> Result<(String, Vec<u32>)> {
+    // Rejection sampling, so a seed gives the prompts it always gave; a
+    // vocabulary with no plain piece ends with an error, not a spin.
+    const MAX_MISSES: usize = 1 << 20;
     let vocab = tok.vocab_size() as u64;
     let mut ids: Vec<u32> = Vec::with_capacity(len + 8);
+    let mut misses = 0;
     while ids.len() < len {
+        if vocab == 0 || misses == MAX_MISSES {
+            bail!(
+                "no plain text piece in {misses} draws from the tokenizer's {vocab} tokens: \
+                 cannot build a random prompt"
+            );
+        }
         let id = (rng.next_u64() % vocab) as u32;
         // Plain word pieces only: no specials, no control bytes.
         let bytes = tok.decode_bytes(&[id]);
@@ -119,6 +129,9 @@ pub fn random_prompt(tok: &Tokenizer, len: usize, rng: &mut Rng) -> (String, Vec
             && std::str::from_utf8(&bytes).is_ok_and(|s| s.chars().all(|c| !c.is_control()));
         if plain {
             ids.push(id);
+            misses = 0;
+        } else {
+            misses += 1;
         }
     }
     // Re-encoding may merge across the joins: iterate to a fixed point.
@@ -128,12 +141,12 @@ pub fn random_prompt(tok: &Tokenizer, len: usize, rng: &mut Rng) -> (String, Vec
         again.truncate(len);
         let t2 = tok.decode(&again);
         if t2 == text && again.len() == len {
-            return (text, again);
+            return Ok((text, again));
         }
         text = t2;
     }
     let ids = tok.encode(&text);
-    (text, ids)
+    Ok((text, ids))
 }
 
 fn lengths(base: usize, ratio: f64, rng: &mut Rng) -> usize {
@@ -160,18 +173,18 @@ pub fn build_requests(a: &BenchArgs) -> Result<Vec<LoadRequest>> {
             .collect());
     }
     let tok = load_tokenizer(&a.tokenizer)?;
-    Ok((0..a.num_requests + a.warmup)
+    (0..a.num_requests + a.warmup)
         .map(|_| {
             let input = lengths(a.input_len, a.range_ratio, &mut rng);
             let output = lengths(a.output_len, a.range_ratio, &mut rng);
-            let (prompt, ids) = random_prompt(&tok, input, &mut rng);
-            LoadRequest {
+            let (prompt, ids) = random_prompt(&tok, input, &mut rng)?;
+            Ok(LoadRequest {
                 prompt,
                 prompt_len: ids.len(),
                 output_len: output,
-            }
+            })
         })
-        .collect())
+        .collect()
 }
 
 async fn first_model(url: &str) -> Result<String> {

@@ -55,7 +55,7 @@ pub async fn run(a: &BenchArgs) -> Result<()> {
     );
     // One warm-up each side, then A B / B A.
     for rep in 0..=a.reps {
-        let (text, ids) = random_prompt(&tok, a.input_len, &mut rng);
+        let (text, ids) = random_prompt(&tok, a.input_len, &mut rng)?;
         for side in 0..2 {
             let http_side = (side + rep) % 2 == 1;
             let sample = if http_side {

@@ -20,7 +20,7 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> ApiError {
+    pub fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> ApiError {
         ApiError {
             status,
             message: message.into(),

@@ -33,7 +33,8 @@ fn requests(n: usize, input: usize, output: usize) -> Vec<LoadRequest> {
     let mut rng = Rng::new(5);
     (0..n)
         .map(|_| {
-            let (prompt, ids) = random_prompt(tok, input, &mut rng);
+            let (prompt, ids) =
+                random_prompt(tok, input, &mut rng).expect("SmolLM2 has plain tokens");
             assert_eq!(
                 ids.len(),
                 input,

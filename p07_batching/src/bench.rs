@@ -63,7 +63,7 @@ pub fn decode_stores(engine: &LlamaEngine, batch: usize, pos: usize) -> Vec<KvCa
     (0..batch)
         .map(|_| {
             let mut kv = KvCache::new(s.n_layer, s.n_kv_head, s.head_dim, pos + 2);
-            kv.len = pos;
+            kv.set_len(pos).expect("pos < pos + 2");
             kv
         })
         .collect()
@@ -97,7 +97,8 @@ pub fn measure(
         if let Err(e) = engine.forward_batch(&b, &mut refs, &mut ws, &mut logits) {
             failed = Some(e);
         }
-        kv.iter_mut().for_each(|s| s.len = pos);
+        kv.iter_mut()
+            .for_each(|s| s.set_len(pos).expect("pos < pos + 2"));
     });
     let mut one = Batch::new();
     one.push(&[100], pos)?;
@@ -107,7 +108,7 @@ pub fn measure(
         if let Err(e) = engine.forward_batch(&one, &mut refs, &mut ws, &mut logits[..vocab]) {
             failed = Some(e);
         }
-        single_kv[0].len = pos;
+        single_kv[0].set_len(pos).expect("pos < pos + 2");
     });
     if let Some(e) = failed {
         return Err(e.into());

@@ -223,7 +223,7 @@ pub async fn serve(a: &ServeBenchArgs) -> Result<()> {
     };
     let name = e.name.clone();
     let mut rows = Vec::new();
-    let warm = requests(&e.tok, 16, &[4], a.seed + 100);
+    let warm = requests(&e.tok, 16, &[4], a.seed + 100)?;
 
     // 1. Closed loop at concurrency 8: serial, then batcher, same requests.
     let reqs = requests(
@@ -231,7 +231,7 @@ pub async fn serve(a: &ServeBenchArgs) -> Result<()> {
         a.input_len,
         &vec![a.output_len; a.num_requests],
         a.seed,
-    );
+    )?;
     let closed = Arrival::Closed {
         concurrency: a.concurrency,
     };
@@ -276,7 +276,7 @@ pub async fn serve(a: &ServeBenchArgs) -> Result<()> {
     // 2. An idle batcher must not wait. Closed loop at concurrency 1 (every
     //    request finds the engine idle), serial and batcher alternated
     //    A B A B; then the literal 0.1 req/s Poisson run.
-    let reqs = requests(&e.tok, 64, &vec![8; a.idle_requests], a.seed + 1);
+    let reqs = requests(&e.tok, 64, &vec![8; a.idle_requests], a.seed + 1)?;
     let one = Arrival::Closed { concurrency: 1 };
     let (mut ttft_serial, mut ttft_batched) = (Vec::new(), Vec::new());
     for _ in 0..2 {
@@ -317,7 +317,7 @@ pub async fn serve(a: &ServeBenchArgs) -> Result<()> {
         .predicted("<= 1 ms (target)"),
     );
     if a.slow_requests > 0 {
-        let reqs = requests(&e.tok, 64, &vec![8; a.slow_requests], a.seed + 4);
+        let reqs = requests(&e.tok, 64, &vec![8; a.slow_requests], a.seed + 4)?;
         let slow = Arrival::Poisson {
             rate: 0.1,
             seed: a.seed,
@@ -355,7 +355,7 @@ pub async fn serve(a: &ServeBenchArgs) -> Result<()> {
 
     // 3. max_wait_ms x max_batch under Poisson load.
     if a.sweep_rate > 0.0 && a.sweep_requests > 0 {
-        let reqs = requests(&e.tok, 128, &vec![32; a.sweep_requests], a.seed + 2);
+        let reqs = requests(&e.tok, 128, &vec![32; a.sweep_requests], a.seed + 2)?;
         let arrival = Arrival::Poisson {
             rate: a.sweep_rate,
             seed: a.seed,

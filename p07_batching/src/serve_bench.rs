@@ -33,17 +33,17 @@ pub fn requests(
     input_len: usize,
     outputs: &[usize],
     seed: u64,
-) -> Vec<LoadRequest> {
+) -> Result<Vec<LoadRequest>> {
     let mut rng = Rng::new(seed);
     outputs
         .iter()
         .map(|&output_len| {
-            let (prompt, ids) = random_prompt(tok, input_len, &mut rng);
-            LoadRequest {
+            let (prompt, ids) = random_prompt(tok, input_len, &mut rng)?;
+            Ok(LoadRequest {
                 prompt,
                 prompt_len: ids.len(),
                 output_len,
-            }
+            })
         })
         .collect()
 }
@@ -107,9 +107,9 @@ pub async fn late_arrivals(
         max_waiting: 64,
     })?;
     let url = spawn_server(engine.clone()).await?;
-    let batch = requests(&e.tok, 64, outputs, seed);
-    let newcomers = requests(&e.tok, 64, &vec![16; late], seed + 1);
-    let warm = requests(&e.tok, 16, &[4], seed + 2);
+    let batch = requests(&e.tok, 64, outputs, seed)?;
+    let newcomers = requests(&e.tok, 64, &vec![16; late], seed + 1)?;
+    let warm = requests(&e.tok, 16, &[4], seed + 2)?;
     load(
         &url,
         &e.name,

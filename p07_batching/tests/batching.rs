@@ -49,8 +49,8 @@ fn lockstep<M: BatchModel>(
                 continue;
             }
             match s.next_input() {
-                Some(t) if !prefill => batch.push(&[t], kvs[i].len).unwrap(),
-                _ => batch.push(s.prompt(), kvs[i].len).unwrap(),
+                Some(t) if !prefill => batch.push(&[t], kvs[i].len()).unwrap(),
+                _ => batch.push(s.prompt(), kvs[i].len()).unwrap(),
             };
             live.push(i);
         }

@@ -78,7 +78,7 @@ pub fn step_time(
     if c > 0 {
         // The earlier positions' values do not change the cost.
         let mut chunk_kv = KvCache::new(s.n_layer, s.n_kv_head, s.head_dim, chunk_at + c);
-        chunk_kv.len = chunk_at;
+        chunk_kv.set_len(chunk_at).expect("chunk_at < chunk_at + c");
         kv.push(chunk_kv);
         let chunk: Vec<u32> = (0..c).map(|i| 200 + (i % 1000) as u32).collect();
         b.push(&chunk, chunk_at)?;
@@ -98,7 +98,8 @@ pub fn step_time(
             failed = Some(e);
         }
         for (i, s) in kv.iter_mut().enumerate() {
-            s.len = if i < d { pos } else { chunk_at };
+            s.set_len(if i < d { pos } else { chunk_at })
+                .expect("each store was made with room");
         }
     });
     if let Some(e) = failed {

@@ -215,7 +215,7 @@ impl KvAllocator for ContiguousKv {
         }
         let cap = self.alloc.allocated(id);
         if let Some(kv) = self.caches.get_mut(&id) {
-            if kv.max_seq < cap {
+            if kv.max_seq() < cap {
                 kv.grow(cap);
             }
         }

@@ -231,42 +231,42 @@ pub async fn serve(a: &ServeArgs) -> Result<()> {
     };
     let mut rng = Rng::new(a.seed);
     let mut rows = Vec::new();
-    let warm = requests(&e.tok, 16, &[4], a.seed + 100);
+    let warm = requests(&e.tok, 16, &[4], a.seed + 100)?;
     // The same requests for every system.
     let closed: Vec<(usize, Vec<LoadRequest>)> = a
         .concurrency
         .iter()
         .map(|&c| {
             let n = (c * a.requests_per_client).max(4);
-            (
+            Ok((
                 c,
                 requests(
                     &e.tok,
                     a.input_len,
                     &outputs(n, a, &mut rng),
                     a.seed + c as u64,
-                ),
-            )
+                )?,
+            ))
         })
-        .collect();
+        .collect::<Result<_>>()?;
     let poisson: Vec<(f64, Vec<LoadRequest>)> = a
         .rates
         .iter()
         .enumerate()
         .map(|(i, &rate)| {
             let outs = outputs(a.poisson_requests, a, &mut rng);
-            (
+            Ok((
                 rate,
-                requests(&e.tok, a.input_len, &outs, a.seed + 50 + i as u64),
-            )
+                requests(&e.tok, a.input_len, &outs, a.seed + 50 + i as u64)?,
+            ))
         })
-        .collect();
-    let streams = requests(&e.tok, 64, &[256; 4], a.seed + 70);
-    let long = requests(&e.tok, a.long_prompt.max(1), &[16], a.seed + 71);
+        .collect::<Result<_>>()?;
+    let streams = requests(&e.tok, 64, &[256; 4], a.seed + 70)?;
+    let long = requests(&e.tok, a.long_prompt.max(1), &[16], a.seed + 71)?;
     let mixed: Vec<LoadRequest> = {
         let outs = outputs(a.mixed_requests, a, &mut rng);
-        let short = requests(&e.tok, 64, &outs[..outs.len() / 2], a.seed + 80);
-        let longs = requests(&e.tok, 1024, &outs[outs.len() / 2..], a.seed + 81);
+        let short = requests(&e.tok, 64, &outs[..outs.len() / 2], a.seed + 80)?;
+        let longs = requests(&e.tok, 1024, &outs[outs.len() / 2..], a.seed + 81)?;
         // Interleaved: short, long, short, long, ...
         short
             .into_iter()
@@ -274,7 +274,7 @@ pub async fn serve(a: &ServeArgs) -> Result<()> {
             .flat_map(|(s, l)| [s, l])
             .collect()
     };
-    let agree_prompts = requests(&e.tok, 32, &[64; 3], a.seed + 90);
+    let agree_prompts = requests(&e.tok, 32, &[64; 3], a.seed + 90)?;
 
     let mut p08_texts: Vec<String> = Vec::new();
     let mut curves: Vec<Curve> = Vec::new();

@@ -402,7 +402,8 @@ fn decode_step_times(
             if let Err(e) = engine.forward_batch(&b, &mut refs, &mut ws, &mut logits) {
                 failed = Some(e.to_string());
             }
-            kv.iter_mut().for_each(|c| c.len = pos);
+            kv.iter_mut()
+                .for_each(|c| c.set_len(pos).expect("each store was made with room"));
         });
         let p = time_it(cfg, || match m.stores(&chunks) {
             Ok(mut stores) => {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use clap::Args;
 use common::batch::BatchModel;
-use p05_kv_cache::load::Loaded;
+use p05_kv_cache::load::LoadedEngine;
 use p06_server::server;
 use p08_continuous::cli::SchedArgs;
 use p08_continuous::ContinuousEngine;
@@ -38,7 +38,7 @@ pub struct PagedArgs {
 /// background: `/health` answers 503 until it is ready).
 pub async fn serve<L>(cli: ServeArgs, load: L) -> anyhow::Result<()>
 where
-    L: FnOnce(&Path) -> anyhow::Result<Loaded> + Send + 'static,
+    L: FnOnce(&Path) -> anyhow::Result<LoadedEngine> + Send + 'static,
 {
     let name = cli.listen.name();
     let listener = cli.listen.bind().await?;

@@ -2,7 +2,7 @@
 //! contiguous caches: SmolLM2, three sequences (prompt chunks and decodes)
 //! in one ragged batch, blocks of 16 and of 5 (positions straddle blocks).
 
-use common::batch::{Batch, BatchModel, KvStore};
+use common::batch::{Batch, BatchModel};
 use p05_kv_cache::kv_cache::KvCache;
 use p05_kv_cache::llama_engine::LlamaEngine;
 use p09_kv_manager::{BlockPool, KvManager};
@@ -74,11 +74,8 @@ fn compare(engine: &LlamaEngine, block_size: usize, prompts: &[Vec<u32>], steps:
             assert!(d <= 1e-5, "step {step}, block size {block_size}, sequence {i}: logits differ by {d:e} of scale");
         }
         // Greedy next tokens: identical, and fed to both.
-        let argmax = |row: &[f32]| {
-            (0..vocab)
-                .max_by(|&a, &b| row[a].total_cmp(&row[b]))
-                .unwrap() as u32
-        };
+        // The workspace's one greedy rule (first index on ties).
+        let argmax = common::argmax;
         inputs = (0..n)
             .map(|i| {
                 let (w, g) = (

@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use p05_kv_cache::load::Loaded;
+use p05_kv_cache::load::LoadedEngine;
 
 use p04_transformer::{GgufFile, ModelError, Proj, ProjLoader, TensorInfo};
 
@@ -130,7 +130,7 @@ impl ProjLoader for Requantize {
 
 /// A model ready to serve: the GGUF's blocks kept native (`native`), or
 /// everything dequantised to f32 at load as Projects 04–09 do.
-pub fn load(path: &Path, native: bool) -> Result<Loaded> {
+pub fn load(path: &Path, native: bool) -> Result<LoadedEngine> {
     if native {
         load_native(path, NativeWeights::detect())
     } else {
@@ -139,7 +139,7 @@ pub fn load(path: &Path, native: bool) -> Result<Loaded> {
 }
 
 /// A model with its projections in the file's blocks, through `w`'s kernels.
-pub fn load_native(path: &Path, w: NativeWeights) -> Result<Loaded> {
+pub fn load_native(path: &Path, w: NativeWeights) -> Result<LoadedEngine> {
     p05_kv_cache::load::load_with(path, &w).with_context(|| format!("loading {}", path.display()))
 }
 

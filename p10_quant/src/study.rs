@@ -16,7 +16,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use common::numbers::{command_line, Recorder, Row};
-use p05_kv_cache::load::Loaded;
+use p05_kv_cache::load::LoadedEngine;
 
 use crate::loader::{NativeWeights, Requantize};
 use crate::matrix::Format;
@@ -69,7 +69,7 @@ pub fn default_text() -> PathBuf {
 pub const TEXT_PATH: &str = "assets/text/corpus.txt";
 
 /// Loads one test model.
-type Loader = Box<dyn Fn() -> Result<Loaded>>;
+type Loader = Box<dyn Fn() -> Result<LoadedEngine>>;
 
 /// One line of the study's table.
 struct Line {

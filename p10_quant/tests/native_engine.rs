@@ -23,12 +23,12 @@ fn path() -> std::path::PathBuf {
 }
 
 fn f32_model() -> &'static p05_kv_cache::llama_engine::LlamaEngine {
-    static M: OnceLock<p05_kv_cache::load::Loaded> = OnceLock::new();
+    static M: OnceLock<p05_kv_cache::load::LoadedEngine> = OnceLock::new();
     &M.get_or_init(|| p05_kv_cache::load::load(&path()).unwrap())
         .engine
 }
 
-fn native(isa: Isa, f32_rows: usize) -> p05_kv_cache::load::Loaded {
+fn native(isa: Isa, f32_rows: usize) -> p05_kv_cache::load::LoadedEngine {
     let w = NativeWeights {
         dot: Dot::new(isa).unwrap(),
         f32_rows,
