@@ -1,0 +1,54 @@
+//! `p12_gateway --config gateway.toml`: the gateway in front of the
+//! backends its config names. `p12_gateway hash-key <key>` prints the
+//! SHA-256 the config stores for a key.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use p12_gateway::clock::SystemClock;
+use p12_gateway::{build, router, Config};
+
+#[derive(Parser)]
+#[command(about = "Project 12: an inference gateway (keys, limits, routing, retries)")]
+struct Args {
+    /// The gateway's TOML config (see p12_gateway/gateway.toml).
+    #[arg(long, default_value = "p12_gateway/gateway.toml")]
+    config: PathBuf,
+    /// Listen here instead of the config's `listen`.
+    #[arg(long)]
+    listen: Option<String>,
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Print the hex SHA-256 of a key, for the config's `sha256`.
+    HashKey { key: String },
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let args = Args::parse();
+    if let Some(Cmd::HashKey { key }) = args.cmd {
+        println!("{}", p12_gateway::auth::hash_key(&key));
+        return Ok(());
+    }
+    let mut cfg = Config::load(&args.config)?;
+    if let Some(l) = args.listen {
+        cfg.listen = l;
+    }
+    let listen = cfg.listen.clone();
+    let g = Arc::new(build(cfg, Arc::new(SystemClock::default()))?);
+    tokio::spawn(p12_gateway::health::run(g.clone()));
+    let listener = tokio::net::TcpListener::bind(&listen)
+        .await
+        .with_context(|| format!("bind {listen}"))?;
+    eprintln!("gateway listening on http://{listen}");
+    axum::serve(listener, router(g))
+        .with_graceful_shutdown(p06_server::server::shutdown_signal())
+        .await?;
+    Ok(())
+}

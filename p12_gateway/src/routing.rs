@@ -1,0 +1,222 @@
+//! Which backend serves a request: per model, a pool of backends and a
+//! policy that orders them (the first is tried first; the rest are the
+//! retries' fallbacks, in order).
+//!
+//! - round-robin: each request starts one further along;
+//! - least outstanding: fewest requests in flight first (ties in order);
+//! - prefix affinity: requests whose prompts share their leading
+//!   `affinity_prefix_tokens` tokens go to the same backend, so its prefix
+//!   cache (Project 09) is hit. The prefix is hashed as p09 hashes KV blocks
+//!   (a chain over full blocks of token ids) and the backends are ranked by
+//!   rendezvous hashing: when a backend leaves, only its prefixes move.
+//!   A choice this many requests busier than the least-loaded backend gives
+//!   way to it, so one hot prefix cannot pile onto one backend.
+//!
+//! Ejected backends (failed health checks) are left out; open breakers
+//! are skipped when a request is sent (see `proxy`).
+
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use p09_kv_manager::prefix_hash::{block_hashes, SipBlockHasher};
+
+use crate::breaker::{Breaker, BreakerConfig};
+use crate::config::Policy;
+
+/// One backend server and what the gateway knows of it.
+#[derive(Debug)]
+pub struct Backend {
+    /// Base URL, no trailing slash.
+    pub url: String,
+    /// Requests sent and not yet finished.
+    pub outstanding: AtomicUsize,
+    /// False once health checks have ejected it.
+    pub healthy: AtomicBool,
+    /// Consecutive failed health checks.
+    pub health_failures: AtomicU32,
+    pub breaker: Mutex<Breaker>,
+}
+
+impl Backend {
+    pub fn new(url: &str, breaker: BreakerConfig) -> Backend {
+        Backend {
+            url: url.trim_end_matches('/').to_string(),
+            outstanding: AtomicUsize::new(0),
+            healthy: AtomicBool::new(true),
+            health_failures: AtomicU32::new(0),
+            breaker: Mutex::new(Breaker::new(breaker)),
+        }
+    }
+
+    pub fn breaker(&self) -> std::sync::MutexGuard<'_, Breaker> {
+        self.breaker.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// How prefix affinity reads a prompt.
+#[derive(Clone, Copy, Debug)]
+pub struct Affinity {
+    pub block_tokens: usize,
+    pub prefix_tokens: usize,
+    pub max_imbalance: usize,
+}
+
+/// One model's backends and policy.
+#[derive(Debug)]
+pub struct Pool {
+    pub backends: Vec<std::sync::Arc<Backend>>,
+    pub policy: Policy,
+    pub affinity: Affinity,
+    next: AtomicUsize,
+}
+
+/// The affinity key of a prompt: the chained hash of the full blocks within
+/// its first `prefix_tokens` tokens (`None` when it has no full block).
+pub fn prefix_key(prompt: &[u32], a: Affinity) -> Option<u64> {
+    let head = &prompt[..prompt.len().min(a.prefix_tokens)];
+    block_hashes(&SipBlockHasher, head, a.block_tokens, b"")
+        .last()
+        .copied()
+}
+
+fn rendezvous(key: u64, url: &str) -> u64 {
+    let mut h = DefaultHasher::new();
+    key.hash(&mut h);
+    url.hash(&mut h);
+    h.finish()
+}
+
+impl Pool {
+    pub fn new(backends: Vec<std::sync::Arc<Backend>>, policy: Policy, affinity: Affinity) -> Pool {
+        Pool {
+            backends,
+            policy,
+            affinity,
+            next: AtomicUsize::new(0),
+        }
+    }
+
+    /// Healthy backends in the order to try them for a prompt of `prompt`
+    /// token ids. Empty when every backend is ejected.
+    pub fn order(&self, prompt: &[u32]) -> Vec<usize> {
+        let n = self.backends.len();
+        let healthy: Vec<usize> = (0..n)
+            .filter(|&i| self.backends[i].healthy.load(Ordering::Relaxed))
+            .collect();
+        if healthy.is_empty() {
+            return healthy;
+        }
+        // Rotated one further per call, so that ties spread out.
+        let rotated = |v: Vec<usize>| -> Vec<usize> {
+            let start = self.next.fetch_add(1, Ordering::Relaxed) % v.len();
+            v[start..].iter().chain(&v[..start]).copied().collect()
+        };
+        let load = |i: usize| self.backends[i].outstanding.load(Ordering::Relaxed);
+        let by_load = |mut v: Vec<usize>| {
+            v.sort_by_key(|&i| load(i)); // stable: ties keep their order
+            v
+        };
+        match self.policy {
+            Policy::RoundRobin => rotated(healthy),
+            Policy::LeastOutstanding => by_load(rotated(healthy)),
+            Policy::PrefixAffinity => {
+                let Some(key) = prefix_key(prompt, self.affinity) else {
+                    return by_load(rotated(healthy));
+                };
+                let mut ranked = healthy;
+                ranked.sort_by_key(|&i| std::cmp::Reverse(rendezvous(key, &self.backends[i].url)));
+                let least = ranked.iter().map(|&i| load(i)).min().unwrap_or(0);
+                if load(ranked[0]) >= least + self.affinity.max_imbalance.max(1) {
+                    return by_load(ranked);
+                }
+                ranked
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn pool(policy: Policy, n: usize) -> Pool {
+        let backends = (0..n)
+            .map(|i| {
+                Arc::new(Backend::new(
+                    &format!("http://b{i}"),
+                    BreakerConfig::default(),
+                ))
+            })
+            .collect();
+        Pool::new(
+            backends,
+            policy,
+            Affinity {
+                block_tokens: 4,
+                prefix_tokens: 8,
+                max_imbalance: 3,
+            },
+        )
+    }
+
+    #[test]
+    fn round_robin_rotates_and_skips_the_ejected() {
+        let p = pool(Policy::RoundRobin, 3);
+        let firsts: Vec<usize> = (0..6).map(|_| p.order(&[])[0]).collect();
+        assert_eq!(firsts, [0, 1, 2, 0, 1, 2]);
+        p.backends[1].healthy.store(false, Ordering::Relaxed);
+        let o = p.order(&[]);
+        assert_eq!(o.len(), 2);
+        assert!(!o.contains(&1));
+    }
+
+    #[test]
+    fn least_outstanding_goes_to_the_idlest() {
+        let p = pool(Policy::LeastOutstanding, 3);
+        p.backends[0].outstanding.store(5, Ordering::Relaxed);
+        p.backends[1].outstanding.store(1, Ordering::Relaxed);
+        p.backends[2].outstanding.store(3, Ordering::Relaxed);
+        assert_eq!(p.order(&[]), [1, 2, 0]);
+    }
+
+    #[test]
+    fn a_shared_prefix_sticks_to_one_backend_and_spreads_across_prefixes() {
+        let p = pool(Policy::PrefixAffinity, 4);
+        let with = |head: u32, tail: u32| [head, head, head, head, 7, 7, 7, 7, tail, tail];
+        let first = p.order(&with(1, 0))[0];
+        for tail in 1..20 {
+            assert_eq!(
+                p.order(&with(1, tail))[0],
+                first,
+                "the tail past 8 tokens is ignored"
+            );
+        }
+        let used: std::collections::HashSet<usize> =
+            (0..64).map(|h| p.order(&with(h, 0))[0]).collect();
+        assert!(
+            used.len() >= 3,
+            "64 prefixes over 4 backends used only {used:?}"
+        );
+        // A busy choice gives way.
+        p.backends[first].outstanding.store(3, Ordering::Relaxed);
+        assert_ne!(p.order(&with(1, 0))[0], first);
+    }
+
+    #[test]
+    fn an_ejected_backend_moves_only_its_own_prefixes() {
+        let p = pool(Policy::PrefixAffinity, 4);
+        let prompt = |h: u32| vec![h; 8];
+        let before: Vec<usize> = (0..64).map(|h| p.order(&prompt(h))[0]).collect();
+        p.backends[2].healthy.store(false, Ordering::Relaxed);
+        for (h, &b) in before.iter().enumerate() {
+            let now = p.order(&prompt(h as u32))[0];
+            if b != 2 {
+                assert_eq!(now, b, "prefix {h} moved though its backend stayed");
+            } else {
+                assert_ne!(now, 2);
+            }
+        }
+    }
+}

@@ -1,0 +1,139 @@
+//! Server-sent events as they pass through: split the backend's bytes into
+//! whole events (each forwarded as the exact bytes the backend sent, so the
+//! client sees byte-identical chunks), and read the usage a stream reports.
+
+use serde_json::Value;
+
+/// Splits a byte stream into complete events, blank line included.
+#[derive(Debug, Default)]
+pub struct EventSplitter {
+    buf: Vec<u8>,
+}
+
+impl EventSplitter {
+    /// Feed bytes; get every event they complete, as raw bytes.
+    pub fn push(&mut self, bytes: &[u8]) -> Vec<Vec<u8>> {
+        self.buf.extend_from_slice(bytes);
+        let mut out = Vec::new();
+        while let Some(end) = event_end(&self.buf) {
+            out.push(self.buf.drain(..end).collect());
+        }
+        out
+    }
+
+    /// Bytes of an event never completed (a stream cut off mid-event).
+    pub fn rest(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+/// Index just past the first blank line ("\n\n" or "\r\n\r\n").
+fn event_end(buf: &[u8]) -> Option<usize> {
+    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
+    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// The `data:` payload of a raw event (lines joined), if it has one.
+pub fn data(event: &[u8]) -> Option<String> {
+    let text = std::str::from_utf8(event).ok()?;
+    let lines: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .map(|d| d.strip_prefix(' ').unwrap_or(d))
+        .collect();
+    (!lines.is_empty()).then(|| lines.join("\n"))
+}
+
+/// What one event of a completion stream says.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// A chunk with choices (text, a finish reason).
+    Chunk,
+    /// The usage chunk: no choices, `usage` set. (prompt, completion)
+    Usage(u64, u64),
+    /// An error event.
+    Error,
+    /// `data: [DONE]`.
+    Done,
+    /// A comment, keep-alive, or anything else.
+    Other,
+}
+
+pub fn classify(event: &[u8]) -> Event {
+    let Some(d) = data(event) else {
+        return Event::Other;
+    };
+    if d.trim() == "[DONE]" {
+        return Event::Done;
+    }
+    let Ok(v) = serde_json::from_str::<Value>(&d) else {
+        return Event::Other;
+    };
+    if v.get("error").is_some() {
+        return Event::Error;
+    }
+    let no_choices = v
+        .get("choices")
+        .and_then(Value::as_array)
+        .is_none_or(Vec::is_empty);
+    match usage(&v) {
+        Some((p, c)) if no_choices => Event::Usage(p, c),
+        _ if !no_choices => Event::Chunk,
+        _ => Event::Other,
+    }
+}
+
+/// (prompt_tokens, completion_tokens) of a response or chunk.
+pub fn usage(v: &Value) -> Option<(u64, u64)> {
+    let u = v.get("usage")?;
+    Some((
+        u.get("prompt_tokens")?.as_u64()?,
+        u.get("completion_tokens")?.as_u64()?,
+    ))
+}
+
+/// An OpenAI-style error event that ends a stream the gateway could not
+/// finish (a started stream is never replayed).
+pub fn error_event(message: &str) -> Vec<u8> {
+    let body = serde_json::json!({"error": {
+        "message": message,
+        "type": "upstream_error",
+        "param": null,
+        "code": "backend_stream_failed",
+    }});
+    format!("data: {body}\n\n").into_bytes()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_split_at_blank_lines_across_any_chunking() {
+        let stream =
+            b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n: keep-alive\r\n\r\ndata: [DONE]\n\n";
+        for cut in 1..stream.len() {
+            let mut s = EventSplitter::default();
+            let mut events = s.push(&stream[..cut]);
+            events.extend(s.push(&stream[cut..]));
+            assert_eq!(events.concat(), stream.to_vec(), "cut at {cut}");
+            assert_eq!(events.len(), 3);
+            assert!(s.rest().is_empty());
+        }
+    }
+
+    #[test]
+    fn usage_and_chunks_are_told_apart() {
+        let c = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n";
+        let u = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":4,\"total_tokens\":7}}\n\n";
+        assert_eq!(classify(c), Event::Chunk);
+        assert_eq!(classify(u), Event::Usage(3, 4));
+        assert_eq!(classify(b"data: [DONE]\n\n"), Event::Done);
+        assert_eq!(classify(&error_event("x")), Event::Error);
+        assert_eq!(classify(b": ping\n\n"), Event::Other);
+    }
+}
