@@ -12,6 +12,8 @@
 
 pub mod app;
 pub mod auth;
+#[cfg(feature = "bench")]
+pub mod bench;
 pub mod breaker;
 pub mod clock;
 pub mod config;

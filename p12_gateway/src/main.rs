@@ -27,17 +27,30 @@ struct Args {
 enum Cmd {
     /// Print the hex SHA-256 of a key, for the config's `sha256`.
     HashKey { key: String },
+    /// Added latency vs direct, prefix affinity vs round-robin, a backend kill.
+    #[cfg(feature = "bench")]
+    Bench(p12_gateway::bench::BenchArgs),
 }
 
-#[tokio::main]
-async fn main() -> Result<()> {
+fn main() -> Result<()> {
     let args = Args::parse();
-    if let Some(Cmd::HashKey { key }) = args.cmd {
-        println!("{}", p12_gateway::auth::hash_key(&key));
-        return Ok(());
+    match args.cmd {
+        Some(Cmd::HashKey { key }) => {
+            println!("{}", p12_gateway::auth::hash_key(&key));
+            Ok(())
+        }
+        #[cfg(feature = "bench")]
+        Some(Cmd::Bench(a)) => p12_gateway::bench::run(&a),
+        None => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()?
+            .block_on(serve(args.config, args.listen)),
     }
-    let mut cfg = Config::load(&args.config)?;
-    if let Some(l) = args.listen {
+}
+
+async fn serve(config: PathBuf, listen: Option<String>) -> Result<()> {
+    let mut cfg = Config::load(&config)?;
+    if let Some(l) = listen {
         cfg.listen = l;
     }
     let listen = cfg.listen.clone();
