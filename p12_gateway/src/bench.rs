@@ -467,9 +467,9 @@ async fn affinity(a: &BenchArgs, servers: &[Server], rows: &mut Vec<Row>) -> Res
             pred,
         ));
         let hit_pred = if policy == "round-robin" {
-            "~25% (each prefix cold on both backends)"
+            "(uses-2)/uses of the system-prompt tokens (each prefix cold on both backends): ~30% at 3 uses"
         } else {
-            "~50% (each prefix cold once)"
+            "(uses-1)/uses (each prefix cold once): ~60% at 3 uses"
         };
         rows.push(
             Row::new(
@@ -487,11 +487,11 @@ async fn affinity(a: &BenchArgs, servers: &[Server], rows: &mut Vec<Row>) -> Res
 async fn kill(servers: &mut [Server], rows: &mut Vec<Row>) -> Result<()> {
     let http = reqwest::Client::new();
     let urls: Vec<String> = servers.iter().map(|s| s.url.clone()).collect();
-    let extra = "[health]\ninterval_ms = 250\ntimeout_ms = 250\nfailures_to_eject = 2\n\
+    let extra = "[health]\ninterval_ms = 1000\ntimeout_ms = 250\nfailures_to_eject = 2\n\
                  [breaker]\nfailures_to_open = 3\ncooldown_ms = 5000\nsuccesses_to_close = 2";
     let (gw, g) = start_gateway(&config_text(&urls, "round-robin", extra), counter()?).await?;
     tokio::spawn(crate::health::run(g.clone()));
-    let (rate, secs, kill_at) = (4.0, 10.0, 3.0);
+    let (rate, secs, kill_at) = (8.0, 10.0, 3.0);
     let n = (rate * secs) as usize;
     let mut rng = Rng::new(7);
     let start = Instant::now();
@@ -547,12 +547,12 @@ async fn kill(servers: &mut [Server], rows: &mut Vec<Row>) -> Result<()> {
             failed += 1;
         }
     }
-    let retries: f64 = g
+    let retries: u64 = g
         .metrics
         .render(&g.backends())
         .lines()
         .filter(|l| l.starts_with("gateway_retries_total"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
         .sum();
     let ms = |d: Option<Duration>| d.map_or(f64::NAN, |d| d.as_secs_f64() * 1e3);
     println!(
@@ -570,7 +570,7 @@ async fn kill(servers: &mut [Server], rows: &mut Vec<Row>) -> Result<()> {
         )
         .predicted("0 (target 0)"),
     );
-    rows.push(Row::new(format!("{m}: retries"), retries, "retries"));
+    rows.push(Row::new(format!("{m}: retries"), retries as f64, "retries"));
     rows.push(
         Row::new(format!("{m}: kill to breaker open"), ms(opened), "ms")
             .predicted("the next 3 requests to it"),

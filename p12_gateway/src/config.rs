@@ -214,7 +214,8 @@ pub struct Model {
     /// generate up to it). Read from the tokenizer's GGUF when absent.
     pub context_length: Option<usize>,
     /// Prefix affinity: tokens per hashed block, and how many leading
-    /// tokens decide the backend.
+    /// tokens decide the backend. Shorter than the shared part of the
+    /// prompts (a system prompt), or their differing tails split them.
     #[serde(default = "default_block")]
     pub affinity_block_tokens: usize,
     #[serde(default = "default_affinity")]
@@ -230,7 +231,7 @@ fn default_block() -> usize {
 }
 
 fn default_affinity() -> usize {
-    256
+    64
 }
 
 fn default_imbalance() -> usize {
