@@ -401,10 +401,15 @@ async fn affinity(a: &BenchArgs, servers: &[Server], rows: &mut Vec<Row>) -> Res
         let systems: Vec<String> = (0..a.prefixes)
             .map(|_| p06_server::bench::random_prompt(&tok, 192, &mut rng).map(|(t, _)| t))
             .collect::<Result<_>>()?;
-        // Tenant after tenant, round after round: p0 p1 ... p0 p1 ...
-        let work: Vec<(usize, usize)> = (0..a.uses)
+        // Every (prompt, use) pair in a seeded random order: in a fixed
+        // p0 p1 ... p0 p1 ... order, round-robin over an even number of
+        // prompts would send each prompt to the same backend every round.
+        let mut work: Vec<(usize, usize)> = (0..a.uses)
             .flat_map(|u| (0..a.prefixes).map(move |p| (p, u)))
             .collect();
+        for i in (1..work.len()).rev() {
+            work.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+        }
         let (mut h0, mut q0) = (0.0, 0.0);
         for s in servers {
             h0 += s.metric(&http, "vllm:prefix_cache_hits").await?;
@@ -467,9 +472,9 @@ async fn affinity(a: &BenchArgs, servers: &[Server], rows: &mut Vec<Row>) -> Res
             pred,
         ));
         let hit_pred = if policy == "round-robin" {
-            "(uses-2)/uses of the system-prompt tokens (each prefix cold on both backends): ~30% at 3 uses"
+            "a use hits if an earlier use went to the same backend: (0.5 + 0.75) / 3 of the system-prompt tokens at 3 uses, ~37%"
         } else {
-            "(uses-1)/uses (each prefix cold once): ~60% at 3 uses"
+            "(uses-1)/uses of the system-prompt tokens (each prefix cold once): ~60% at 3 uses"
         };
         rows.push(
             Row::new(
