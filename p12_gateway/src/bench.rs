@@ -586,7 +586,7 @@ async fn kill(servers: &mut [Server], rows: &mut Vec<Row>) -> Result<()> {
             ms(ejected),
             "ms",
         )
-        .predicted("250-750 ms (2 checks 250 ms apart)"),
+        .predicted("1-2 s (2 failed checks 1 s apart)"),
     );
     Ok(())
 }
