@@ -147,12 +147,20 @@ async fn admit_and_forward(
         )))
     })?;
     let p = peek(&json, endpoint).map_err(fail)?;
-    let model = p.model.clone();
-    let fail = |e: ApiError| (model.clone(), e);
     let route = match g.routes.get(&p.model) {
         Some(r) if caller.models.contains(&p.model) => r,
-        _ => return Err(fail(ApiError::model_not_found(&p.model))),
+        // Metrics name only configured models: a client's string would
+        // grow the label set without bound.
+        _ => return Err(("unknown".into(), ApiError::model_not_found(&p.model))),
     };
+    let model = p.model.clone();
+    let fail = |e: ApiError| (model.clone(), e);
+    // The limits that need no token count first: a key over them cannot
+    // make the gateway tokenize for it.
+    if let Err(r) = g.limiter.precheck(&caller.key) {
+        g.metrics.limit(&caller.key, decision(&r));
+        return Err(fail(refused(&r)));
+    }
     // Tokenising is CPU work: off the async workers.
     let counter = route.counter.clone();
     let prompts = p.prompts.clone();
@@ -177,10 +185,18 @@ async fn admit_and_forward(
     // is dropped on the way back unless the client asked too.
     let body = if p.stream && !p.include_usage {
         if let Some(o) = json.as_object_mut() {
-            o.insert(
-                "stream_options".into(),
-                serde_json::json!({"include_usage": true}),
-            );
+            // Merged into the client's options, which are kept.
+            match o.get_mut("stream_options") {
+                Some(serde_json::Value::Object(so)) => {
+                    so.insert("include_usage".into(), true.into());
+                }
+                _ => {
+                    o.insert(
+                        "stream_options".into(),
+                        serde_json::json!({"include_usage": true}),
+                    );
+                }
+            }
         }
         Bytes::from(serde_json::to_vec(&json).unwrap_or_else(|_| body.to_vec()))
     } else {

@@ -3,7 +3,7 @@
 //! the model's real tokenizer and chat template (Project 06's input
 //! processing, the same code our backends run), so the reservation is
 //! exact for the prompt and an upper bound for the completion. The rest of
-//! the body is passed through untouched: each backend validates its own.
+//! the body is passed on as sent: each backend validates its own.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -75,17 +75,32 @@ pub fn peek(body: &Value, endpoint: Endpoint) -> Result<Peek, ApiError> {
         .and_then(|o| o.get("include_usage"))
         .and_then(Value::as_bool)
         .unwrap_or(false);
-    let max_tokens = match endpoint {
-        Endpoint::Chat => match field_u64(body, "max_completion_tokens")? {
-            Some(m) => Some(m),
-            None => field_u64(body, "max_tokens")?,
-        },
-        Endpoint::Completions => field_u64(body, "max_tokens")?,
+    // A length field the gateway would not bound is refused, not guessed.
+    if body.get("n_predict").is_some() {
+        return Err(ApiError::invalid(
+            "n_predict",
+            "n_predict is not accepted through the gateway: use max_tokens",
+        ));
+    }
+    // Both names given (backends differ in which wins): reserve the larger.
+    let max_tokens = match (
+        field_u64(body, "max_tokens")?,
+        field_u64(body, "max_completion_tokens")?,
+    ) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, b) => a.or(b),
     };
-    let n = field_u64(body, "n")?.unwrap_or(1).max(1);
+    // `best_of` candidates are generated (and billed) too.
+    let n = field_u64(body, "n")?
+        .unwrap_or(1)
+        .max(field_u64(body, "best_of")?.unwrap_or(1))
+        .max(1);
     let prompts = match endpoint {
         Endpoint::Completions => match body.get("prompt") {
             Some(Value::String(s)) => vec![PromptInput::Text(s.clone())],
+            Some(Value::Array(items)) if items.is_empty() => {
+                return Err(ApiError::invalid("prompt", "prompt must not be empty"))
+            }
             Some(Value::Array(items)) if items.iter().all(Value::is_string) => items
                 .iter()
                 .filter_map(|s| s.as_str().map(|s| PromptInput::Text(s.to_string())))
@@ -261,8 +276,13 @@ mod tests {
             ("m", true, Some(5), 2)
         );
         let chat = json!({"model": "m", "messages": [{"role": "user", "content": "x"}],
-                          "max_completion_tokens": 3, "max_tokens": 9});
-        assert_eq!(peek(&chat, Endpoint::Chat).unwrap().max_tokens, Some(3));
+                          "max_completion_tokens": 3, "max_tokens": 9, "best_of": 4});
+        let p = peek(&chat, Endpoint::Chat).unwrap();
+        assert_eq!(
+            (p.max_tokens, p.n),
+            (Some(9), 4),
+            "the larger bound, best_of candidates"
+        );
         let bad = [
             (json!({"prompt": "x"}), "model"),
             (
@@ -275,6 +295,11 @@ mod tests {
             ),
             (json!({"model": "m"}), "prompt"),
             (json!({"model": "m", "prompt": [1, "a"]}), "prompt"),
+            (json!({"model": "m", "prompt": []}), "prompt"),
+            (
+                json!({"model": "m", "prompt": "x", "n_predict": 9}),
+                "n_predict",
+            ),
         ];
         for (body, param) in bad {
             let e = peek(&body, Endpoint::Completions).unwrap_err();

@@ -225,6 +225,37 @@ impl Limiter {
         })
     }
 
+    /// Would a request be refused before its tokens are known (too many in
+    /// flight, or no request left this minute)? Takes nothing: checked
+    /// before the prompt is counted, so a key over its limits cannot make
+    /// the gateway tokenize for it.
+    pub fn precheck(&self, key: &str) -> Result<(), Refusal> {
+        let now = self.inner.clock.now();
+        let mut keys = self.inner.keys.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(k) = keys.get_mut(key) else {
+            return Ok(());
+        };
+        if let Some(limit) = k.max_concurrent {
+            if k.running >= limit {
+                return Err(Refusal::Concurrency { limit });
+            }
+        }
+        if let Some(b) = &mut k.requests {
+            match b.check(1.0, now) {
+                Ok(()) => {}
+                Err(Shortfall::RetryAfter(retry_after)) => {
+                    return Err(Refusal::Requests { retry_after })
+                }
+                Err(Shortfall::Never) => {
+                    return Err(Refusal::Requests {
+                        retry_after: Duration::from_secs(60),
+                    })
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The key's token bucket level now (`None`: no token limit).
     pub fn tokens_left(&self, key: &str) -> Option<f64> {
         let now = self.inner.clock.now();

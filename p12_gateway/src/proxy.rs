@@ -46,19 +46,42 @@ pub struct Outbound {
     pub arrived: Instant,
 }
 
-/// Counts a backend's request in flight until dropped.
-struct InFlight(Arc<Backend>);
+/// One attempt's hold on a backend: counts it in flight, and owns the
+/// breaker verdict. Dropped without one (the client went away while the
+/// attempt waited, or a stream's relay ended early), it releases a
+/// half-open probe slot instead of leaking it, which would keep the
+/// backend out of rotation for good.
+struct Attempt {
+    backend: Arc<Backend>,
+    judged: bool,
+}
 
-impl InFlight {
-    fn new(b: &Arc<Backend>) -> InFlight {
+impl Attempt {
+    fn new(b: &Arc<Backend>) -> Attempt {
         b.outstanding.fetch_add(1, Ordering::Relaxed);
-        InFlight(b.clone())
+        Attempt {
+            backend: b.clone(),
+            judged: false,
+        }
+    }
+
+    fn success(mut self) {
+        self.judged = true;
+        self.backend.breaker().success();
+    }
+
+    fn failure(mut self, now: Duration) {
+        self.judged = true;
+        self.backend.breaker().failure(now);
     }
 }
 
-impl Drop for InFlight {
+impl Drop for Attempt {
     fn drop(&mut self) {
-        self.0.outstanding.fetch_sub(1, Ordering::Relaxed);
+        if !self.judged {
+            self.backend.breaker().release();
+        }
+        self.backend.outstanding.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -67,8 +90,11 @@ impl Drop for InFlight {
 enum Failed {
     Connect(String),
     Timeout(&'static str),
-    Status(StatusCode, Bytes, Option<HeaderValue>),
+    Status(StatusCode, Bytes, HeaderPair),
 }
+
+/// The headers passed on with a backend's answer.
+type HeaderPair = (Option<HeaderValue>, Option<HeaderValue>);
 
 impl Failed {
     fn reason(&self) -> &'static str {
@@ -76,6 +102,7 @@ impl Failed {
             Failed::Connect(_) => "connect",
             Failed::Timeout(_) => "timeout",
             Failed::Status(s, ..) if *s == StatusCode::TOO_MANY_REQUESTS => "429",
+            Failed::Status(s, ..) if *s == StatusCode::NOT_FOUND => "404",
             Failed::Status(..) => "5xx",
         }
     }
@@ -91,10 +118,14 @@ fn backoff(g: &Gateway, attempt: u32) -> Duration {
     Duration::from_millis((g.random() * cap as f64) as u64)
 }
 
-fn passthrough(status: StatusCode, body: Bytes, content_type: Option<HeaderValue>) -> Response {
+/// A backend's answer as it was, with its content type and Retry-After.
+fn passthrough(status: StatusCode, body: Bytes, (ct, retry): HeaderPair) -> Response {
     let mut resp = (status, body).into_response();
-    if let Some(ct) = content_type {
+    if let Some(ct) = ct {
         resp.headers_mut().insert(header::CONTENT_TYPE, ct);
+    }
+    if let Some(r) = retry {
+        resp.headers_mut().insert(header::RETRY_AFTER, r);
     }
     resp
 }
@@ -115,10 +146,12 @@ pub async fn forward(
         let e = ApiError::unavailable(format!("no healthy backend serves `{}`", out.model));
         g.metrics
             .request(&out.key, &out.model, "", e.status.as_u16());
+        reservation.settle(0); // nothing was sent
         return e.into_response();
     }
     g.metrics.added(out.arrived.elapsed());
     let mut last: Option<Failed> = None;
+    let mut timed_out = false;
     let mut next = 0usize;
     for attempt in 0..g.cfg.retry.max_attempts {
         if attempt > 0 {
@@ -141,7 +174,7 @@ pub async fn forward(
         else {
             break;
         };
-        let flight = InFlight::new(&b);
+        let attempt_guard = Attempt::new(&b);
         let url = format!("{}{}", b.url, out.endpoint.path());
         let send = g
             .http
@@ -149,26 +182,34 @@ pub async fn forward(
             .header(header::CONTENT_TYPE, "application/json")
             .body(out.body.clone())
             .send();
-        let remaining = deadline.saturating_duration_since(Instant::now());
-        let failed = match tokio::time::timeout(first_byte.min(remaining), send).await {
+        // A stream's headers come at once; a non-streaming answer's only
+        // when the whole generation is done, so it has the total deadline.
+        let left = || deadline.saturating_duration_since(Instant::now());
+        let wait = if out.stream {
+            first_byte.min(left())
+        } else {
+            left()
+        };
+        let failed = match tokio::time::timeout(wait, send).await {
             Err(_) => Failed::Timeout("no response headers in time"),
             Ok(Err(e)) => Failed::Connect(e.to_string()),
             Ok(Ok(resp)) => {
                 let status = resp.status();
-                let ct = resp.headers().get(header::CONTENT_TYPE).cloned();
+                let headers = (
+                    resp.headers().get(header::CONTENT_TYPE).cloned(),
+                    resp.headers().get(header::RETRY_AFTER).cloned(),
+                );
                 if status.is_success() && out.stream {
-                    match first_event(resp, first_byte.min(remaining)).await {
+                    match first_event(resp, first_byte.min(left())).await {
                         Ok((events, rest)) => {
-                            b.breaker().success();
                             let resp = stream(
                                 g.clone(),
                                 &out,
-                                b.clone(),
-                                flight,
+                                attempt_guard,
                                 events,
                                 rest,
                                 reservation,
-                                ct,
+                                headers.0,
                             );
                             g.metrics.request(&out.key, &out.model, &b.url, 200);
                             return resp;
@@ -176,33 +217,33 @@ pub async fn forward(
                         Err(f) => f,
                     }
                 } else {
-                    let body = tokio::time::timeout(remaining, resp.bytes()).await;
-                    match body {
+                    match tokio::time::timeout(left(), resp.bytes()).await {
                         Err(_) => Failed::Timeout("the answer did not finish in time"),
                         Ok(Err(e)) => Failed::Connect(e.to_string()),
+                        // Busy, broken, or not serving this model: try another.
                         Ok(Ok(body))
                             if status == StatusCode::TOO_MANY_REQUESTS
+                                || status == StatusCode::NOT_FOUND
                                 || status.is_server_error() =>
                         {
-                            Failed::Status(status, body, ct)
+                            Failed::Status(status, body, headers)
                         }
                         Ok(Ok(body)) => {
-                            // 2xx or a 4xx the backend chose: the backend works.
-                            b.breaker().success();
-                            let used = serde_json::from_slice(&body)
-                                .ok()
-                                .and_then(|v| sse::usage(&v))
-                                .map_or(
-                                    if status.is_success() {
-                                        reservation.reserved()
-                                    } else {
-                                        0
-                                    },
-                                    |(p, c)| p + c,
-                                );
+                            let used = if status.is_success() {
+                                // The backend works; charge what it reports.
+                                attempt_guard.success();
+                                serde_json::from_slice(&body)
+                                    .ok()
+                                    .and_then(|v| sse::usage(&v))
+                                    .map_or(reservation.reserved(), |(p, c)| p.saturating_add(c))
+                            } else {
+                                // A 4xx about the request: no verdict on the backend.
+                                drop(attempt_guard);
+                                0
+                            };
                             g.metrics.tokens(&out.key, used);
                             reservation.settle(used);
-                            let resp = passthrough(status, body, ct);
+                            let resp = passthrough(status, body, headers);
                             g.metrics
                                 .request(&out.key, &out.model, &b.url, status_of(&resp));
                             return resp;
@@ -211,22 +252,30 @@ pub async fn forward(
                 }
             }
         };
-        drop(flight);
-        {
-            let mut br = b.breaker();
-            match &failed {
-                // The backend shed load: not broken, just busy.
-                Failed::Status(s, ..) if *s == StatusCode::TOO_MANY_REQUESTS => br.release(),
-                _ => br.failure(g.clock.now()),
+        match &failed {
+            // The backend shed load: not broken, just busy.
+            Failed::Status(s, ..) if *s == StatusCode::TOO_MANY_REQUESTS => drop(attempt_guard),
+            Failed::Timeout(_) => {
+                // The backend may have done the work: charge it in the end.
+                timed_out = true;
+                attempt_guard.failure(g.clock.now());
             }
+            _ => attempt_guard.failure(g.clock.now()),
         }
         g.metrics.retry(&out.model, &b.url, failed.reason());
         last = Some(failed);
     }
-    // Nothing was sent, so nothing was generated for the client.
-    reservation.settle(0);
+    // Nothing reached the client. Connect errors and refusals cost
+    // nothing; an attempt that timed out may have generated its answer.
+    if timed_out {
+        let all = reservation.reserved();
+        g.metrics.tokens(&out.key, all);
+        reservation.settle(all);
+    } else {
+        reservation.settle(0);
+    }
     let resp = match last {
-        Some(Failed::Status(s, body, ct)) => passthrough(s, body, ct),
+        Some(Failed::Status(s, body, headers)) => passthrough(s, body, headers),
         Some(Failed::Connect(e)) => ApiError::new(
             StatusCode::BAD_GATEWAY,
             "upstream_error",
@@ -253,7 +302,10 @@ pub async fn forward(
 type ByteStream =
     std::pin::Pin<Box<dyn futures_util::Stream<Item = reqwest::Result<Bytes>> + Send>>;
 
-/// Read until the stream's first whole event (the commit point).
+/// Read until the stream's first `data:` event, the commit point: comments
+/// and keep-alives before it are held back (nothing is sent yet, so a
+/// failure is still retried), and an error event as the first is a failed
+/// attempt, not a stream.
 async fn first_event(
     resp: reqwest::Response,
     within: Duration,
@@ -261,12 +313,28 @@ async fn first_event(
     let mut body: ByteStream = Box::pin(resp.bytes_stream());
     let mut split = sse::EventSplitter::default();
     let read = async {
+        let mut held = Vec::new();
         loop {
             match body.next().await {
                 Some(Ok(bytes)) => {
-                    let events = split.push(&bytes);
-                    if !events.is_empty() {
-                        return Ok(events);
+                    let events = split
+                        .push(&bytes)
+                        .map_err(|e| Failed::Connect(e.to_string()))?;
+                    for ev in events {
+                        match sse::classify(&ev) {
+                            sse::Event::Other => held.push(ev),
+                            sse::Event::Error => {
+                                return Err(Failed::Status(
+                                    StatusCode::BAD_GATEWAY,
+                                    Bytes::from(sse::data(&ev).unwrap_or_default()),
+                                    (Some(HeaderValue::from_static("application/json")), None),
+                                ))
+                            }
+                            _ => {
+                                held.push(ev);
+                                return Ok(held);
+                            }
+                        }
                     }
                 }
                 Some(Err(e)) => return Err(Failed::Connect(e.to_string())),
@@ -285,13 +353,13 @@ async fn first_event(
     }
 }
 
-/// Relay a committed stream event by event; settle when it ends.
-#[allow(clippy::too_many_arguments)]
+/// Relay a committed stream event by event; settle when it ends. The
+/// breaker's verdict waits for the end: a backend that always dies
+/// mid-stream must open it.
 fn stream(
     g: Arc<Gateway>,
     out: &Outbound,
-    backend: Arc<Backend>,
-    flight: InFlight,
+    attempt: Attempt,
     first: Vec<Vec<u8>>,
     (mut body, mut split): (ByteStream, sse::EventSplitter),
     reservation: Reservation,
@@ -303,38 +371,55 @@ fn stream(
         (out.key.clone(), out.client_wants_usage, out.prompt_tokens);
     let model = out.model.clone();
     tokio::spawn(async move {
-        let _flight = flight;
+        let url = attempt.backend.url.clone();
         let mut usage: Option<u64> = None;
         let mut chunks = 0u64;
-        let mut done = false;
+        let (mut done, mut backend_error, mut client_gone) = (false, false, false);
         let mut pending: std::collections::VecDeque<Vec<u8>> = first.into();
         let mut failure: Option<String> = None;
         'relay: loop {
-            // Forward what has arrived, at the client's pace.
+            // Forward what has arrived, at the client's pace (but never
+            // past the deadline: a client that stops reading lets go).
             while let Some(ev) = pending.pop_front() {
                 let mut fwd = true;
                 match sse::classify(&ev) {
                     Event::Chunk => chunks += 1,
                     Event::Usage(p, c) => {
-                        usage = Some(p + c);
+                        usage = Some(p.saturating_add(c));
                         fwd = keep_usage;
                     }
-                    Event::Done | Event::Error => done = true,
+                    Event::Done => done = true,
+                    Event::Error => backend_error = true,
                     Event::Other => {}
                 }
-                if fwd && tx.send(Bytes::from(ev)).await.is_err() {
-                    break 'relay; // the client has gone: drop the backend's stream
+                if fwd {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    match tokio::time::timeout(left, tx.send(Bytes::from(ev))).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(_)) => {
+                            client_gone = true; // drop the backend's stream
+                            break 'relay;
+                        }
+                        Err(_) => {
+                            failure =
+                                Some("the client read too slowly for the total timeout".into());
+                            client_gone = true;
+                            break 'relay;
+                        }
+                    }
                 }
             }
             if done {
                 break;
             }
-            let remaining = deadline.saturating_duration_since(Instant::now());
-            match tokio::time::timeout(remaining, body.next()).await {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, body.next()).await {
                 Err(_) => {
                     failure = Some("the stream ran past the gateway's total timeout".into());
                     break;
                 }
+                // After its own error event a backend may just close.
+                Ok(None) if backend_error => break,
                 Ok(None) => {
                     failure = Some("the backend's stream ended before [DONE]".into());
                     break;
@@ -343,15 +428,28 @@ fn stream(
                     failure = Some(format!("the backend's stream failed: {e}"));
                     break;
                 }
-                Ok(Some(Ok(bytes))) => pending.extend(split.push(&bytes)),
+                Ok(Some(Ok(bytes))) => match split.push(&bytes) {
+                    Ok(events) => pending.extend(events),
+                    Err(e) => {
+                        failure = Some(e.to_string());
+                        break;
+                    }
+                },
             }
         }
-        if let Some(msg) = &failure {
-            backend.breaker().failure(g.clock.now());
-            g.metrics.stream_error(&model, &backend.url);
+        let timed_out_on_client = client_gone && failure.is_some();
+        if backend_error || (failure.is_some() && !timed_out_on_client) {
+            attempt.failure(g.clock.now());
+            g.metrics.stream_error(&model, &url);
+        } else if done {
+            attempt.success();
+        } else {
+            drop(attempt); // the client left: no verdict on the backend
+        }
+        if let (Some(msg), false) = (&failure, client_gone) {
             let _ = tx.send(Bytes::from(sse::error_event(msg))).await;
         }
-        let used = usage.unwrap_or(prompt_tokens + chunks);
+        let used = usage.unwrap_or(prompt_tokens.saturating_add(chunks));
         g.metrics.tokens(&key, used);
         reservation.settle(used);
     });
@@ -366,4 +464,33 @@ fn stream(
     resp.headers_mut()
         .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::breaker::{BreakerConfig, BreakerState};
+
+    #[test]
+    fn an_attempt_dropped_without_a_verdict_frees_the_probe_slot() {
+        let b = Arc::new(Backend::new(
+            "http://x",
+            BreakerConfig {
+                failures_to_open: 1,
+                cooldown: Duration::from_secs(1),
+                successes_to_close: 1,
+            },
+        ));
+        b.breaker().failure(Duration::ZERO);
+        let later = Duration::from_secs(2);
+        assert!(b.breaker().allow(later), "half-open: the probe");
+        let probe = Attempt::new(&b);
+        assert_eq!(b.outstanding.load(Ordering::Relaxed), 1);
+        assert!(!b.breaker().allow(later), "one probe at a time");
+        drop(probe); // its client went away mid-wait
+        assert_eq!(b.outstanding.load(Ordering::Relaxed), 0);
+        assert!(b.breaker().allow(later), "the slot is free again");
+        Attempt::new(&b).success();
+        assert_eq!(b.breaker().state(), BreakerState::Closed);
+    }
 }

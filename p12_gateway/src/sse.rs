@@ -4,21 +4,38 @@
 
 use serde_json::Value;
 
+/// Largest event the relay holds while waiting for its end: a backend
+/// that never sends a blank line ends its stream instead of growing memory.
+pub const MAX_EVENT_BYTES: usize = 4 << 20;
+
+/// An event longer than [`MAX_EVENT_BYTES`].
+#[derive(Debug, thiserror::Error)]
+#[error("the backend sent an event of more than {MAX_EVENT_BYTES} bytes")]
+pub struct EventTooLong;
+
 /// Splits a byte stream into complete events, blank line included.
 #[derive(Debug, Default)]
 pub struct EventSplitter {
     buf: Vec<u8>,
+    /// Bytes of `buf` already searched for an event's end.
+    scanned: usize,
 }
 
 impl EventSplitter {
     /// Feed bytes; get every event they complete, as raw bytes.
-    pub fn push(&mut self, bytes: &[u8]) -> Vec<Vec<u8>> {
+    pub fn push(&mut self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, EventTooLong> {
         self.buf.extend_from_slice(bytes);
         let mut out = Vec::new();
-        while let Some(end) = event_end(&self.buf) {
+        // Resume a little before the old end: a separator may straddle it.
+        while let Some(end) = event_end(&self.buf, self.scanned.saturating_sub(2)) {
             out.push(self.buf.drain(..end).collect());
+            self.scanned = 0;
         }
-        out
+        self.scanned = self.buf.len();
+        if self.buf.len() > MAX_EVENT_BYTES {
+            return Err(EventTooLong);
+        }
+        Ok(out)
     }
 
     /// Bytes of an event never completed (a stream cut off mid-event).
@@ -27,21 +44,27 @@ impl EventSplitter {
     }
 }
 
-/// Index just past the first blank line ("\n\n" or "\r\n\r\n").
-fn event_end(buf: &[u8]) -> Option<usize> {
-    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
-    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
-    match (lf, crlf) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    }
+/// Index just past the first blank line at or after `from`: a line ends
+/// with LF, CRLF or CR, so an event ends at "\n\n", "\r\r" or "\n\r\n"
+/// (which also covers "\r\n\r\n").
+fn event_end(buf: &[u8], from: usize) -> Option<usize> {
+    (from..buf.len()).find_map(|i| {
+        let rest = &buf[i..];
+        if rest.starts_with(b"\n\n") || rest.starts_with(b"\r\r") {
+            Some(i + 2)
+        } else if rest.starts_with(b"\n\r\n") {
+            Some(i + 3)
+        } else {
+            None
+        }
+    })
 }
 
 /// The `data:` payload of a raw event (lines joined), if it has one.
 pub fn data(event: &[u8]) -> Option<String> {
     let text = std::str::from_utf8(event).ok()?;
     let lines: Vec<&str> = text
-        .lines()
+        .split(['\n', '\r'])
         .filter_map(|l| l.strip_prefix("data:"))
         .map(|d| d.strip_prefix(' ').unwrap_or(d))
         .collect();
@@ -118,12 +141,28 @@ mod tests {
             b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n: keep-alive\r\n\r\ndata: [DONE]\n\n";
         for cut in 1..stream.len() {
             let mut s = EventSplitter::default();
-            let mut events = s.push(&stream[..cut]);
-            events.extend(s.push(&stream[cut..]));
+            let mut events = s.push(&stream[..cut]).unwrap();
+            events.extend(s.push(&stream[cut..]).unwrap());
             assert_eq!(events.concat(), stream.to_vec(), "cut at {cut}");
             assert_eq!(events.len(), 3);
             assert!(s.rest().is_empty());
         }
+    }
+
+    #[test]
+    fn every_line_ending_ends_an_event_and_a_runaway_one_is_refused() {
+        let mut s = EventSplitter::default();
+        let events = s.push(b"data: a\n\r\ndata: b\r\rdata: c\r\n\r\n").unwrap();
+        assert_eq!(
+            events,
+            [&b"data: a\n\r\n"[..], b"data: b\r\r", b"data: c\r\n\r\n"]
+        );
+        let mut s = EventSplitter::default();
+        let line = vec![b'x'; 1 << 20];
+        for _ in 0..4 {
+            assert!(s.push(&line).unwrap().is_empty());
+        }
+        assert!(s.push(b"y").is_err());
     }
 
     #[test]
