@@ -10,6 +10,12 @@
 //! 6. top-p: keep the smallest most-probable set whose mass reaches p;
 //! 7. min-p: drop tokens below min_p x the top probability;
 //! 8. renormalise and draw with the request's seeded generator.
+//!
+//! Only what a filter keeps is sorted: top-p selects a growing top set
+//! (64, then 4x) until its mass reaches p; min-p alone keeps the tokens above
+//! its floor; with neither, the draw walks the vocabulary unsorted. Sorting
+//! all 49,152 of SmolLM2's logits every token cost 2.7 ms, a quarter of a
+//! native decode step.
 
 /// The settings (one type from the request to the sampler) live in
 /// `common`, so a request and an engine name them the same way.
@@ -51,9 +57,19 @@ impl Sampler {
     /// Steps 1 and 3–7: the distribution a draw is made from, as
     /// (probability, token) sorted by probability, summing to 1. Not for greedy.
     pub fn distribution(&mut self, logits: &mut [f32], history: &[u32]) -> &[(f32, u32)] {
+        self.filter(logits, history, true);
+        &self.cand
+    }
+
+    /// The distribution into `self.cand`: sorted when a filter truncated it
+    /// (top-p and min-p keep a most-probable prefix); otherwise sorted only
+    /// if `sorted` is asked (a draw does not need it, and sorting the whole
+    /// vocabulary every token costs milliseconds).
+    fn filter(&mut self, logits: &mut [f32], history: &[u32], sorted: bool) {
         let p = &self.params;
         apply_repetition_penalty(logits, history, p.repetition_penalty);
         let inv_t = 1.0 / p.temperature;
+        let desc = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
         self.cand.clear();
         self.cand.extend(
             logits
@@ -61,16 +77,18 @@ impl Sampler {
                 .enumerate()
                 .map(|(i, &l)| (l * inv_t, i as u32)),
         );
-        let desc = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
         if let Some(k) = p.top_k {
             if k < self.cand.len() {
                 self.cand.select_nth_unstable_by(k - 1, desc);
                 self.cand.truncate(k);
             }
         }
-        self.cand.sort_unstable_by(desc);
-        // softmax (max-subtracted) over the kept logits
-        let max = self.cand.first().map_or(0.0, |c| c.0);
+        // softmax (max-subtracted) over the kept logits, in place, unsorted
+        let max = self
+            .cand
+            .iter()
+            .map(|c| c.0)
+            .fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0.0f64;
         for c in &mut self.cand {
             c.0 = (c.0 - max).exp();
@@ -79,20 +97,40 @@ impl Sampler {
         for c in &mut self.cand {
             c.0 = (f64::from(c.0) / sum) as f32;
         }
-        // top-p: the smallest prefix whose mass reaches p
         if p.top_p < 1.0 {
-            let mut mass = 0.0f64;
-            let mut keep = self.cand.len();
-            for (i, c) in self.cand.iter().enumerate() {
-                mass += f64::from(c.0);
-                if mass >= f64::from(p.top_p) {
-                    keep = i + 1;
-                    break;
+            // top-p: the smallest prefix (by probability) whose mass
+            // reaches p. Only that prefix needs sorting: select the top 64,
+            // then 4x more while their mass falls short (a peaked
+            // distribution stops at the first round; a flat one ends in a
+            // full sort, the old cost).
+            let n = self.cand.len();
+            let mut k = 64.min(n);
+            let keep = loop {
+                if k < n {
+                    self.cand.select_nth_unstable_by(k - 1, desc);
                 }
-            }
+                self.cand[..k].sort_unstable_by(desc);
+                let mut mass = 0.0f64;
+                let hit = self.cand[..k].iter().position(|c| {
+                    mass += f64::from(c.0);
+                    mass >= f64::from(p.top_p)
+                });
+                match hit {
+                    Some(i) => break i + 1,
+                    None if k == n => break n,
+                    None => k = (k * 4).min(n),
+                }
+            };
             self.cand.truncate(keep);
+        } else if p.min_p > 0.0 {
+            // min-p alone: only tokens above its floor survive; sort those.
+            let floor = (1.0 / sum) as f32 * p.min_p; // the top probability is exp(0) / sum
+            self.cand.retain(|c| c.0 >= floor);
+            self.cand.sort_unstable_by(desc);
+        } else if sorted {
+            self.cand.sort_unstable_by(desc);
         }
-        // min-p: relative to the most probable token
+        // min-p: relative to the most probable token (first, when it applies)
         if p.min_p > 0.0 {
             let floor = self.cand.first().map_or(0.0, |c| c.0) * p.min_p;
             let keep = self.cand.iter().take_while(|c| c.0 >= floor).count().max(1);
@@ -102,7 +140,6 @@ impl Sampler {
         for c in &mut self.cand {
             c.0 = (f64::from(c.0) / total) as f32;
         }
-        &self.cand
     }
 
     /// The next token. `logits` is modified (penalties, scaling).
@@ -112,7 +149,10 @@ impl Sampler {
             return argmax(logits);
         }
         let u = self.rng.next_f64();
-        let dist = self.distribution(logits, history);
+        // The same distribution as `distribution`; untruncated, it is walked
+        // in vocabulary order rather than sorted (same draw probabilities).
+        self.filter(logits, history, false);
+        let dist = &self.cand;
         let mut acc = 0.0f64;
         for &(p, tok) in dist {
             acc += f64::from(p);

@@ -199,3 +199,85 @@ fn invalid_settings_are_errors() {
         SamplingError::Temperature(_)
     ));
 }
+
+/// A vocabulary large and flat enough that top-p needs several rounds of
+/// the growing selection (64, 256, 1,024, 4,096 ...) and min-p keeps
+/// thousands: both must equal the sorted-prefix definition.
+#[test]
+fn top_p_and_min_p_match_the_definition_on_a_flat_vocabulary() {
+    let mut rng = p05_kv_cache::sampling::Rng::new(3);
+    let l: Vec<f32> = (0..5000).map(|_| rng.next_f32() * 2.0).collect();
+    let z: f64 = l.iter().map(|&x| f64::from(x).exp()).sum();
+    let mut full: Vec<(f64, u32)> = l
+        .iter()
+        .enumerate()
+        .map(|(i, &x)| (f64::from(x).exp() / z, i as u32))
+        .collect();
+    full.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    for top_p in [0.05f32, 0.5, 0.9, 0.999] {
+        let mut s = Sampler::new(SamplingParams {
+            top_p,
+            ..params(1.0)
+        })
+        .unwrap();
+        let got: Vec<u32> = s.distribution(&mut l.clone(), &[]).iter().map(|d| d.1).collect();
+        let mut mass = 0.0;
+        let k = full
+            .iter()
+            .position(|f| {
+                mass += f.0;
+                mass >= f64::from(top_p)
+            })
+            .map_or(full.len(), |i| i + 1);
+        assert!(k > 64 || top_p < 0.1, "top_p {top_p}: the case must need a second round");
+        // f32 probabilities against an f64 reference: the cut may move by a
+        // token where the running mass crosses p within rounding.
+        assert!(got.len().abs_diff(k) <= 1, "top_p {top_p}: kept {} of want {k}", got.len());
+        let n = got.len().min(k);
+        let want: Vec<u32> = full[..n].iter().map(|f| f.1).collect();
+        assert_eq!(got[..n], want[..], "top_p {top_p}: the kept set in order");
+    }
+    let mut s = Sampler::new(SamplingParams {
+        min_p: 0.5,
+        ..params(1.0)
+    })
+    .unwrap();
+    let got: Vec<u32> = s.distribution(&mut l.clone(), &[]).iter().map(|d| d.1).collect();
+    let want: Vec<u32> = full
+        .iter()
+        .take_while(|f| f.0 >= full[0].0 * 0.5 * (1.0 - 1e-6))
+        .map(|f| f.1)
+        .collect();
+    assert!(got.len().abs_diff(want.len()) <= 1 && got.len() > 1000);
+    let n = got.len().min(want.len());
+    assert_eq!(got[..n], want[..n]);
+}
+
+/// With no filter the draw walks the vocabulary unsorted: it must still
+/// follow the softmax (chi-square at 0.1%).
+#[test]
+fn an_unfiltered_draw_follows_the_softmax() {
+    let l = logits();
+    let z: f64 = l.iter().map(|&x| (f64::from(x) / 0.7).exp()).sum();
+    let n = 40_000;
+    let mut s = Sampler::new(SamplingParams {
+        temperature: 0.7,
+        seed: Some(11),
+        ..SamplingParams::greedy()
+    })
+    .unwrap();
+    let mut counts = vec![0usize; l.len()];
+    for _ in 0..n {
+        counts[s.sample(&mut logits(), &[]) as usize] += 1;
+    }
+    let chi2: f64 = l
+        .iter()
+        .zip(&counts)
+        .map(|(&x, &c)| {
+            let e = (f64::from(x) / 0.7).exp() / z * n as f64;
+            (c as f64 - e).powi(2) / e
+        })
+        .sum();
+    // df 7: the 0.1% critical value is 24.32.
+    assert!(chi2 < 24.32, "chi-square {chi2:.2}, counts {counts:?}");
+}

@@ -60,13 +60,25 @@ pub struct BenchArgs {
     pub no_record: bool,
 }
 
+/// The shared-prefix runs: (label, routing, the affinity's imbalance guard).
+const VARIANTS: [(&str, &str, usize); 3] = [
+    ("round-robin", "round-robin", 8),
+    ("prefix-affinity", "prefix-affinity", 8),
+    ("prefix-affinity, give way at 1", "prefix-affinity", 1),
+];
+
 fn config_text(backends: &[String], routing: &str, extra: &str) -> String {
+    config_text_guard(backends, routing, 8, extra)
+}
+
+fn config_text_guard(backends: &[String], routing: &str, guard: usize, extra: &str) -> String {
     let list: Vec<String> = backends.iter().map(|b| format!("\"{b}\"")).collect();
     format!(
         "{extra}\n[[tenants]]\nname = \"bench\"\nmodels = [\"{MODEL}\"]\n\
          [[keys]]\nname = \"bench\"\ntenant = \"bench\"\nsha256 = \"{}\"\n\
          requests_per_minute = 100000000\ntokens_per_minute = 100000000000\n\
-         [[models]]\nname = \"{MODEL}\"\nbackends = [{}]\nrouting = \"{routing}\"\n",
+         [[models]]\nname = \"{MODEL}\"\nbackends = [{}]\nrouting = \"{routing}\"\n\
+         affinity_max_imbalance = {guard}\n",
         hash_key(KEY),
         list.join(", ")
     )
@@ -387,16 +399,9 @@ async fn affinity(a: &BenchArgs, servers: &[Server], rows: &mut Vec<Row>) -> Res
     );
     // A B A B, each run on fresh system prompts (cold caches for both).
     let mut results: Vec<(&str, Vec<f64>, f64, f64)> = Vec::new();
-    for (run, policy) in [
-        "round-robin",
-        "prefix-affinity",
-        "round-robin",
-        "prefix-affinity",
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let (gw, _g) = start_gateway(&config_text(&urls, policy, ""), counter()?).await?;
+    for (run, (policy, routing, guard)) in VARIANTS.iter().chain(&VARIANTS).copied().enumerate() {
+        let text = config_text_guard(&urls, routing, guard, "");
+        let (gw, _g) = start_gateway(&text, counter()?).await?;
         let mut rng = Rng::new(1000 + run as u64);
         let systems: Vec<String> = (0..a.prefixes)
             .map(|_| p06_server::bench::random_prompt(&tok, 192, &mut rng).map(|(t, _)| t))
@@ -450,7 +455,7 @@ async fn affinity(a: &BenchArgs, servers: &[Server], rows: &mut Vec<Row>) -> Res
         );
         results.push((policy, t, hit, q1 - q0));
     }
-    for policy in ["round-robin", "prefix-affinity"] {
+    for (policy, _, _) in VARIANTS {
         let runs: Vec<&(&str, Vec<f64>, f64, f64)> =
             results.iter().filter(|r| r.0 == policy).collect();
         let t: Vec<f64> = runs.iter().flat_map(|r| r.1.iter().copied()).collect();
@@ -459,10 +464,10 @@ async fn affinity(a: &BenchArgs, servers: &[Server], rows: &mut Vec<Row>) -> Res
             "p12 {} system prompts x {} uses on 2 backends, {policy}",
             a.prefixes, a.uses
         );
-        let pred = if policy == "round-robin" {
-            ""
-        } else {
-            "TTFT median below round-robin's"
+        let pred = match policy {
+            "round-robin" => "",
+            "prefix-affinity" => "TTFT median below round-robin's",
+            _ => "hit rate between the two, TTFT p95 closer to round-robin's",
         };
         rows.extend(Row::median_p95(
             format!("{m}: TTFT"),
@@ -471,10 +476,10 @@ async fn affinity(a: &BenchArgs, servers: &[Server], rows: &mut Vec<Row>) -> Res
             "ms",
             pred,
         ));
-        let hit_pred = if policy == "round-robin" {
-            "a use hits if an earlier use went to the same backend: (0.5 + 0.75) / 3 of the system-prompt tokens at 3 uses, ~37%"
-        } else {
-            "(uses-1)/uses of the system-prompt tokens (each prefix cold once): ~60% at 3 uses"
+        let hit_pred = match policy {
+            "round-robin" => "a use hits if an earlier use went to the same backend: (0.5 + 0.75) / 3 of the system-prompt tokens at 3 uses, ~37%",
+            "prefix-affinity" => "(uses-1)/uses of the system-prompt tokens (each prefix cold once): ~60% at 3 uses",
+            _ => "",
         };
         rows.push(
             Row::new(
