@@ -43,6 +43,12 @@ fn bench_sampler(c: &mut Criterion) {
     let logits: Vec<f32> = (0..vocab)
         .map(|_| (rng.next_f64() * 20.0 - 10.0) as f32)
         .collect();
+    // A language model's logits are peaked: a few dozen tokens far above
+    // the rest (uniform logits make top-p keep thousands).
+    let mut peaked = logits.clone();
+    for i in 0..32 {
+        peaked[i * 1531 % vocab] += 15.0;
+    }
     let history: Vec<u32> = (0..256).map(|i| i * 131 % vocab as u32).collect();
     let mut g = c.benchmark_group("p05_sample_49152");
     let settings = [
@@ -65,13 +71,33 @@ fn bench_sampler(c: &mut Criterion) {
                 ..SamplingParams::greedy()
             },
         ),
+        (
+            "top_p0.9_peaked",
+            SamplingParams {
+                temperature: 0.8,
+                top_p: 0.9,
+                ..SamplingParams::greedy()
+            },
+        ),
+        (
+            "temperature0.8",
+            SamplingParams {
+                temperature: 0.8,
+                ..SamplingParams::greedy()
+            },
+        ),
     ];
     for (name, params) in settings {
         let mut sampler = Sampler::new(params).expect("valid settings");
-        let mut row = logits.clone();
+        let src = if name.ends_with("peaked") {
+            &peaked
+        } else {
+            &logits
+        };
+        let mut row = src.clone();
         g.bench_function(name, |b| {
             b.iter(|| {
-                row.copy_from_slice(&logits);
+                row.copy_from_slice(src);
                 sampler.sample(&mut row, &history)
             })
         });

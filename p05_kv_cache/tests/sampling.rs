@@ -220,7 +220,11 @@ fn top_p_and_min_p_match_the_definition_on_a_flat_vocabulary() {
             ..params(1.0)
         })
         .unwrap();
-        let got: Vec<u32> = s.distribution(&mut l.clone(), &[]).iter().map(|d| d.1).collect();
+        let got: Vec<u32> = s
+            .distribution(&mut l.clone(), &[])
+            .iter()
+            .map(|d| d.1)
+            .collect();
         let mut mass = 0.0;
         let k = full
             .iter()
@@ -229,10 +233,17 @@ fn top_p_and_min_p_match_the_definition_on_a_flat_vocabulary() {
                 mass >= f64::from(top_p)
             })
             .map_or(full.len(), |i| i + 1);
-        assert!(k > 64 || top_p < 0.1, "top_p {top_p}: the case must need a second round");
+        assert!(
+            k > 64 || top_p < 0.1,
+            "top_p {top_p}: the case must need a second round"
+        );
         // f32 probabilities against an f64 reference: the cut may move by a
         // token where the running mass crosses p within rounding.
-        assert!(got.len().abs_diff(k) <= 1, "top_p {top_p}: kept {} of want {k}", got.len());
+        assert!(
+            got.len().abs_diff(k) <= 1,
+            "top_p {top_p}: kept {} of want {k}",
+            got.len()
+        );
         let n = got.len().min(k);
         let want: Vec<u32> = full[..n].iter().map(|f| f.1).collect();
         assert_eq!(got[..n], want[..], "top_p {top_p}: the kept set in order");
@@ -242,7 +253,11 @@ fn top_p_and_min_p_match_the_definition_on_a_flat_vocabulary() {
         ..params(1.0)
     })
     .unwrap();
-    let got: Vec<u32> = s.distribution(&mut l.clone(), &[]).iter().map(|d| d.1).collect();
+    let got: Vec<u32> = s
+        .distribution(&mut l.clone(), &[])
+        .iter()
+        .map(|d| d.1)
+        .collect();
     let want: Vec<u32> = full
         .iter()
         .take_while(|f| f.0 >= full[0].0 * 0.5 * (1.0 - 1e-6))
