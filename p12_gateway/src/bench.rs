@@ -557,13 +557,7 @@ async fn kill(servers: &mut [Server], rows: &mut Vec<Row>) -> Result<()> {
             failed += 1;
         }
     }
-    let retries: u64 = g
-        .metrics
-        .render(&g.backends())
-        .lines()
-        .filter(|l| l.starts_with("gateway_retries_total"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-        .sum();
+    let retries = g.metrics.retries_total();
     let ms = |d: Option<Duration>| d.map_or(f64::NAN, |d| d.as_secs_f64() * 1e3);
     println!(
         "backend killed at {kill_at} s of {secs} s, {rate} req/s: {failed} of {n} requests failed, {retries} retries, \

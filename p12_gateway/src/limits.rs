@@ -130,6 +130,32 @@ struct KeyState {
     running: usize,
 }
 
+impl KeyState {
+    /// The limits that need no token count: requests in flight, and a
+    /// request left this minute. Takes nothing.
+    fn check_count_free(&mut self, now: Duration) -> Result<(), Refusal> {
+        if let Some(limit) = self.max_concurrent {
+            if self.running >= limit {
+                return Err(Refusal::Concurrency { limit });
+            }
+        }
+        if let Some(b) = &mut self.requests {
+            match b.check(1.0, now) {
+                Ok(()) => {}
+                Err(Shortfall::RetryAfter(retry_after)) => {
+                    return Err(Refusal::Requests { retry_after })
+                }
+                Err(Shortfall::Never) => {
+                    return Err(Refusal::Requests {
+                        retry_after: Duration::from_secs(60),
+                    })
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug)]
 struct Inner {
     clock: Arc<dyn Clock>,
@@ -176,24 +202,7 @@ impl Limiter {
         let now = self.inner.clock.now();
         let mut keys = self.inner.keys.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(k) = keys.get_mut(key) {
-            if let Some(limit) = k.max_concurrent {
-                if k.running >= limit {
-                    return Err(Refusal::Concurrency { limit });
-                }
-            }
-            if let Some(b) = &mut k.requests {
-                match b.check(1.0, now) {
-                    Ok(()) => {}
-                    Err(Shortfall::RetryAfter(retry_after)) => {
-                        return Err(Refusal::Requests { retry_after })
-                    }
-                    Err(Shortfall::Never) => {
-                        return Err(Refusal::Requests {
-                            retry_after: Duration::from_secs(60),
-                        })
-                    }
-                }
-            }
+            k.check_count_free(now)?;
             if let Some(b) = &mut k.tokens {
                 match b.check(tokens as f64, now) {
                     Ok(()) => {}
@@ -232,28 +241,10 @@ impl Limiter {
     pub fn precheck(&self, key: &str) -> Result<(), Refusal> {
         let now = self.inner.clock.now();
         let mut keys = self.inner.keys.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(k) = keys.get_mut(key) else {
-            return Ok(());
-        };
-        if let Some(limit) = k.max_concurrent {
-            if k.running >= limit {
-                return Err(Refusal::Concurrency { limit });
-            }
+        match keys.get_mut(key) {
+            Some(k) => k.check_count_free(now),
+            None => Ok(()),
         }
-        if let Some(b) = &mut k.requests {
-            match b.check(1.0, now) {
-                Ok(()) => {}
-                Err(Shortfall::RetryAfter(retry_after)) => {
-                    return Err(Refusal::Requests { retry_after })
-                }
-                Err(Shortfall::Never) => {
-                    return Err(Refusal::Requests {
-                        retry_after: Duration::from_secs(60),
-                    })
-                }
-            }
-        }
-        Ok(())
     }
 
     /// The key's token bucket level now (`None`: no token limit).

@@ -99,6 +99,11 @@ impl Metrics {
         m.added_count += 1;
     }
 
+    /// Retries so far, every model, backend and reason.
+    pub fn retries_total(&self) -> u64 {
+        self.lock().retries.values().sum()
+    }
+
     /// Requests counted so far with this status (tests read it).
     pub fn requests_with_status(&self, status: u16) -> u64 {
         self.lock()
