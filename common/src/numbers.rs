@@ -129,6 +129,13 @@ impl Recorder {
         self
     }
 
+    /// Name the commit the rows measure, for rows made where the tree has
+    /// no git (the GPU machine gets binaries built here, at this commit).
+    pub fn with_commit(mut self, commit: impl Into<String>) -> Self {
+        self.commit = commit.into();
+        self
+    }
+
     /// The workspace's `numbers.md`.
     pub fn for_workspace(command: impl Into<String>) -> Self {
         Self::new(crate::assets::workspace_root().join("numbers.md"), command)
