@@ -61,16 +61,26 @@ impl DeviceInfo {
 /// IEEE division and square root (no fast math): the results are compared
 /// with CPU references. Needs only NVRTC, not a GPU.
 pub fn compile(arch: Option<&'static str>) -> Result<Ptx, GpuError> {
+    compile_source("p03_kernels.cu", kernels::SOURCE, arch)
+}
+
+/// Compile any CUDA C translation unit `name` to PTX for `arch` (later
+/// projects bring their own kernels through here).
+pub fn compile_source(
+    name: &'static str,
+    source: &str,
+    arch: Option<&'static str>,
+) -> Result<Ptx, GpuError> {
     probe::nvrtc()?;
     let opts = CompileOptions {
         arch,
         prec_div: Some(true),
         prec_sqrt: Some(true),
-        name: Some("p03_kernels.cu".into()),
+        name: Some(name.into()),
         ..Default::default()
     };
-    cudarc::nvrtc::compile_ptx_with_opts(kernels::SOURCE, opts).map_err(|e| GpuError::Compile {
-        name: "p03_kernels.cu",
+    cudarc::nvrtc::compile_ptx_with_opts(source, opts).map_err(|e| GpuError::Compile {
+        name,
         log: match e {
             CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
             other => format!("{other:?}"),
@@ -120,6 +130,26 @@ impl Gpu {
         })
     }
 
+    /// Compile `source` for this device and load the functions `names`
+    /// from it (for kernels beyond Project 03's own).
+    pub fn load_kernels(
+        &self,
+        name: &'static str,
+        source: &str,
+        names: &[&'static str],
+    ) -> Result<HashMap<&'static str, CudaFunction>, GpuError> {
+        let (major, minor) = self.info.compute_capability;
+        let module = self.ctx.load_module(compile_source(
+            name,
+            source,
+            kernels::virtual_arch(major, minor),
+        )?)?;
+        names
+            .iter()
+            .map(|&n| Ok((n, module.load_function(n)?)))
+            .collect()
+    }
+
     pub fn info(&self) -> &DeviceInfo {
         &self.info
     }
@@ -155,8 +185,9 @@ impl Gpu {
         &self.funcs[name]
     }
 
-    /// A few blocks per SM for grid-stride kernels.
-    fn max_blocks(&self) -> u32 {
+    /// A few blocks per SM for grid-stride kernels (8 per SM: enough warps
+    /// in flight to cover memory latency, no more to schedule).
+    pub fn max_blocks(&self) -> u32 {
         u32::try_from(self.info.sm_count.max(1)).unwrap_or(1) * 8
     }
 

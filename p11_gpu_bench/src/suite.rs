@@ -1,0 +1,490 @@
+//! `p11_gpu_bench run`: everything, in one command, into rows, JSON and
+//! plots. The order: launch latency, HBM sweep, transfers, GEMMs, Project
+//! 03's kernels (for the roofline), the spread runs; then the roofline from
+//! the ceilings this run measured.
+
+use std::path::PathBuf;
+
+use common::numbers::{Recorder, Row};
+use common::plot::{line_chart, Labels, Scale, Series};
+use p03_gpu_kernel::bench::launch_latency;
+use p03_gpu_kernel::timing::{time_events, time_host};
+use p03_gpu_kernel::{Gpu, Matmul};
+use serde::Serialize;
+
+use crate::gemm::{self, GemmPoint, Precision, Shape};
+use crate::memory::{self, BandwidthPoint, Kernel, Stream, Transfer, TransferPoint};
+use crate::roofline::{Point, Roofline};
+use crate::spread::Spread;
+
+/// What to run and where its output goes.
+#[derive(Clone, Debug)]
+pub struct SuiteArgs {
+    /// Smaller sizes and fewer repetitions: a smoke run.
+    pub quick: bool,
+    /// Directory for suite.json and plots/.
+    pub out: PathBuf,
+    /// Append rows here (numbers.md or a file the device returns).
+    pub rows: Option<PathBuf>,
+    pub commit: Option<String>,
+    /// Independent runs for the spread.
+    pub runs: usize,
+    pub command: String,
+}
+
+/// Everything measured, as written to suite.json.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub device: String,
+    pub l2_bytes: i32,
+    pub launch_back_to_back_s: f64,
+    pub launch_synced_s: f64,
+    pub hbm: Vec<BandwidthPoint>,
+    pub transfers: Vec<TransferPoint>,
+    pub gemm: Vec<GemmPoint>,
+    pub kernels: Vec<Point>,
+    pub roofline: Roofline,
+    pub spread: Vec<Spread>,
+}
+
+fn random(n: usize, seed: u64) -> Vec<f32> {
+    let mut rng = common::rng::Rng::new(seed);
+    (0..n).map(|_| rng.next_f32() * 2.0 - 1.0).collect()
+}
+
+fn median_s(ms: &[f64]) -> f64 {
+    common::stats::summarize(ms).median / 1e3
+}
+
+/// Project 03's kernels at one size each, as roofline points (FLOPs and the
+/// minimum bytes: what each must read and write once).
+fn p03_points(gpu: &Gpu, reps: usize) -> anyhow::Result<Vec<Point>> {
+    let mut pts = Vec::new();
+    let n = 1usize << 26;
+    let (a, b) = (gpu.upload(&random(n, 1))?, gpu.upload(&random(n, 2))?);
+    let mut c = gpu.zeros(n)?;
+    let t = median_s(&time_events(gpu, 2, reps, || {
+        gpu.vector_add(&a, &b, &mut c, true)
+    })?);
+    pts.push(Point {
+        name: "p03 vector add (float4)".into(),
+        intensity: 1.0 / 12.0,
+        flops: n as f64 / t,
+    });
+    let (rows, width) = (4096usize, 4096usize);
+    let x = gpu.upload(&random(rows * width, 3))?;
+    let w = gpu.upload(&random(width, 4))?;
+    let mut y = gpu.zeros(rows * width)?;
+    let elems = (rows * width) as f64;
+    let t = median_s(&time_events(gpu, 2, reps, || {
+        gpu.softmax_rows(&x, &mut y, rows, width)
+    })?);
+    // max, subtract, exp, add, multiply: 5 per element over 8 bytes.
+    pts.push(Point {
+        name: "p03 softmax rows".into(),
+        intensity: 5.0 / 8.0,
+        flops: 5.0 * elems / t,
+    });
+    let t = median_s(&time_events(gpu, 2, reps, || {
+        gpu.rmsnorm_rows(&x, &w, &mut y, rows, width, 1e-5)
+    })?);
+    // square-and-add, two multiplies: 4 per element over 8 bytes.
+    pts.push(Point {
+        name: "p03 RMSNorm rows".into(),
+        intensity: 4.0 / 8.0,
+        flops: 4.0 * elems / t,
+    });
+    let s = 4096usize;
+    let sh = Shape { m: s, n: s, k: s };
+    let (a, b) = (
+        gpu.upload(&random(s * s, 5))?,
+        gpu.upload(&random(s * s, 6))?,
+    );
+    let mut c = gpu.zeros(s * s)?;
+    for kind in Matmul::ALL {
+        let ms = time_events(gpu, 1, reps.min(10), || {
+            gpu.matmul(kind, &a, &b, &mut c, s, s, s)
+        })?;
+        pts.push(Point {
+            name: format!("p03 matmul {} 4096", kind.label()),
+            intensity: sh.intensity(Precision::F32),
+            flops: sh.flops() / median_s(&ms),
+        });
+    }
+    Ok(pts)
+}
+
+/// The spread runs: each measurement `runs` times, its own warm-up each.
+fn spreads(gpu: &Gpu, stream: &Stream, runs: usize, quick: bool) -> anyhow::Result<Vec<Spread>> {
+    let bytes = if quick { 64usize << 20 } else { 1 << 30 };
+    let n = bytes / 4;
+    let (mut a, mut b, c) = (gpu.zeros(n)?, gpu.zeros(n)?, gpu.zeros(n)?);
+    let mut partial = gpu.zeros(stream.read_threads(n / 4))?;
+    let passes = memory::passes_for(Kernel::Copy, bytes);
+    let (mut copy, mut sgemm, mut bf, mut launch, mut h2d) =
+        (vec![], vec![], vec![], vec![], vec![]);
+    let sq = if quick { 1024 } else { 4096 };
+    let shape = [Shape {
+        m: sq,
+        n: sq,
+        k: sq,
+    }];
+    let pinned_n = if quick { 4 << 20 } else { 64 << 20 };
+    let mut dev = gpu.zeros(pinned_n)?;
+    // SAFETY: filled before use; plain page-locked memory.
+    let mut pinned = unsafe { gpu.context().alloc_pinned_with_flags::<f32>(pinned_n, 0) }?;
+    pinned.as_mut_slice()?.fill(1.0);
+    for _ in 0..runs {
+        let ms = time_events(gpu, 2, 20, || {
+            stream.launch(Kernel::Copy, &mut a, &mut b, &c, &mut partial, passes)
+        })?;
+        copy.push(2.0 * bytes as f64 * f64::from(passes) / median_s(&ms));
+        let g = gemm::sweep(gpu, &shape, 100.0)?;
+        sgemm.push(g[0].median_flops);
+        bf.push(g[2].median_flops);
+        let (_, synced) = launch_latency(gpu, 100, 5)?;
+        launch.push(synced.median);
+        let s = gpu.stream().clone();
+        let ms = time_host(gpu, 2, 10, || Ok(s.memcpy_htod(&pinned, &mut dev)?))?;
+        h2d.push(4.0 * pinned_n as f64 / median_s(&ms));
+    }
+    Ok(vec![
+        Spread::of(format!("HBM copy {} MiB, B/s", bytes >> 20), copy),
+        Spread::of(format!("cuBLAS SGEMM {sq}^3, FLOP/s"), sgemm),
+        Spread::of(format!("cuBLAS BF16 GEMM {sq}^3, FLOP/s"), bf),
+        Spread::of("empty kernel launch + synchronise, s", launch),
+        Spread::of(format!("H2D pinned {} MiB, B/s", pinned_n >> 18), h2d),
+    ])
+}
+
+/// Run the suite.
+pub fn run(args: &SuiteArgs) -> anyhow::Result<Report> {
+    let gpu = Gpu::new(0)?;
+    let info = gpu.info().clone();
+    println!("device: {}", info.describe());
+    let q = args.quick;
+    let reps = if q { 5 } else { 20 };
+
+    let (b2b, synced) = launch_latency(&gpu, 1000, if q { 3 } else { 10 })?;
+    println!(
+        "launch: {:.2} us back to back, {:.2} us synced",
+        b2b.median * 1e6,
+        synced.median * 1e6
+    );
+
+    let stream = Stream::load(&gpu)?;
+    let hbm = stream.sweep(&memory::sizes(if q { 256 << 20 } else { 2 << 30 }), reps)?;
+    for p in hbm.iter().filter(|p| p.kernel == Kernel::Copy) {
+        println!(
+            "copy {:>10} B/array: {:>7.0} GB/s",
+            p.array_bytes,
+            p.median_bps / 1e9
+        );
+    }
+    let transfers = memory::transfers(
+        &gpu,
+        &memory::transfer_sizes(if q { 64 << 20 } else { 1 << 30 }),
+        if q { 3 } else { 10 },
+    )?;
+
+    let squares: &[usize] = if q {
+        &[1024, 2048]
+    } else {
+        &[1024, 2048, 4096, 8192]
+    };
+    let (sq, sk) = gemm::shapes(squares, 4096, 4096);
+    let all: Vec<Shape> = sq.iter().chain(&sk).copied().collect();
+    let gemm = gemm::sweep(&gpu, &all, if q { 50.0 } else { 300.0 })?;
+    for g in &gemm {
+        println!(
+            "{} {}x{}x{}: {:.1} TFLOP/s, {:.0} GB/s",
+            g.precision.label(),
+            g.shape.m,
+            g.shape.n,
+            g.shape.k,
+            g.median_flops / 1e12,
+            g.median_bps / 1e9
+        );
+    }
+    let kernels = p03_points(&gpu, reps)?;
+    let spread = spreads(&gpu, &stream, args.runs, q)?;
+
+    // ---- the roofline from this run's ceilings -----------------------------
+    let largest = hbm.iter().map(|p| p.array_bytes).max().unwrap_or(0);
+    let memory_bps = hbm
+        .iter()
+        .filter(|p| p.kernel == Kernel::Copy && p.array_bytes == largest)
+        .map(|p| p.median_bps)
+        .fold(0.0, f64::max);
+    let best = |p: Precision| {
+        gemm.iter()
+            .filter(|g| g.precision == p)
+            .map(|g| g.median_flops)
+            .fold(0.0, f64::max)
+    };
+    let roofline = Roofline {
+        memory_bps,
+        compute: vec![
+            ("fp32 (best cuBLAS SGEMM)".into(), best(Precision::F32)),
+            ("bf16 (best cuBLAS GEMM)".into(), best(Precision::Bf16)),
+        ],
+    };
+    let mut points = kernels.clone();
+    for g in gemm.iter().filter(|g| g.precision != Precision::F16) {
+        let sh = g.shape;
+        if sh.m == sh.n || sh.m == 1 || sh.m == 64 {
+            points.push(Point {
+                name: format!("cuBLAS {} {}x{}x{}", g.precision.label(), sh.m, sh.n, sh.k),
+                intensity: sh.intensity(g.precision),
+                flops: g.median_flops,
+            });
+        }
+    }
+
+    let report = Report {
+        device: info.describe(),
+        l2_bytes: info.l2_bytes,
+        launch_back_to_back_s: b2b.median,
+        launch_synced_s: synced.median,
+        hbm,
+        transfers,
+        gemm,
+        kernels,
+        roofline,
+        spread,
+    };
+    write_outputs(args, &report, &points)?;
+    Ok(report)
+}
+
+fn write_outputs(args: &SuiteArgs, r: &Report, points: &[Point]) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&args.out)?;
+    std::fs::write(
+        args.out.join("suite.json"),
+        serde_json::to_string_pretty(r)?,
+    )?;
+    let plots = args.out.join("plots");
+    let name = r.device.split(',').next().unwrap_or("GPU");
+
+    let hbm: Vec<Series> = Kernel::ALL
+        .iter()
+        .map(|&k| {
+            Series::new(
+                k.label(),
+                r.hbm
+                    .iter()
+                    .filter(|p| p.kernel == k)
+                    .map(|p| (p.array_bytes as f64 / (1 << 20) as f64, p.median_bps / 1e9))
+                    .collect(),
+            )
+        })
+        .collect();
+    let title = format!(
+        "{name}: bandwidth vs array size (L2 {} MiB)",
+        r.l2_bytes >> 20
+    );
+    line_chart(
+        &plots.join("hbm.png"),
+        Labels {
+            title: &title,
+            x: "MiB per array",
+            y: "GB/s (bytes read + written)",
+        },
+        &hbm,
+        Scale::LogX,
+    )?;
+
+    let tr: Vec<Series> = Transfer::ALL
+        .iter()
+        .map(|&k| {
+            Series::new(
+                k.label(),
+                r.transfers
+                    .iter()
+                    .filter(|p| p.kind == k)
+                    .map(|p| (p.bytes as f64 / 1024.0, p.median_bps / 1e9))
+                    .collect(),
+            )
+        })
+        .collect();
+    let title = format!("{name}: host <-> device copies");
+    line_chart(
+        &plots.join("transfers.png"),
+        Labels {
+            title: &title,
+            x: "KiB",
+            y: "GB/s (host-timed, copy + sync)",
+        },
+        &tr,
+        Scale::LogLog,
+    )?;
+
+    let skinny: Vec<Series> = Precision::ALL
+        .iter()
+        .map(|&p| {
+            Series::new(
+                format!("cuBLAS {}", p.label()),
+                r.gemm
+                    .iter()
+                    .filter(|g| g.precision == p && g.shape.m != g.shape.n)
+                    .map(|g| (g.shape.m as f64, g.median_bps / 1e9))
+                    .collect(),
+            )
+        })
+        .collect();
+    let title = format!("{name}: decode-like GEMM (M x 4096 x 4096)");
+    line_chart(
+        &plots.join("gemm_skinny.png"),
+        Labels {
+            title: &title,
+            x: "M (rows of activations)",
+            y: "GB/s of minimum traffic",
+        },
+        &skinny,
+        Scale::LogX,
+    )?;
+
+    r.roofline.plot(
+        points,
+        &plots.join("roofline.png"),
+        &format!("{name}: roofline from this run's ceilings"),
+    )?;
+
+    if let Some(path) = &args.rows {
+        let mut rec = Recorder::new(path.clone(), &args.command).machine_note(&r.device);
+        if let Some(c) = &args.commit {
+            rec = rec.with_commit(c);
+        }
+        rec.append(&rows(r, points))?;
+    }
+    Ok(())
+}
+
+/// The rows numbers.md keeps (suite.json has every point).
+fn rows(r: &Report, points: &[Point]) -> Vec<Row> {
+    let mut rows = vec![
+        Row::new(
+            "empty kernel launch, back to back, median",
+            r.launch_back_to_back_s,
+            "s",
+        )
+        .predicted("~2.5e-6"),
+        Row::new(
+            "empty kernel launch + synchronise, median",
+            r.launch_synced_s,
+            "s",
+        )
+        .predicted("~8e-6"),
+    ];
+    let largest = r.hbm.iter().map(|p| p.array_bytes).max().unwrap_or(0);
+    for k in Kernel::ALL {
+        let of_k: Vec<&BandwidthPoint> = r.hbm.iter().filter(|p| p.kernel == k).collect();
+        if let Some(big) = of_k.iter().find(|p| p.array_bytes == largest) {
+            let pred = if k == Kernel::Copy {
+                "~4.0e12 (0.83 of 4.8 TB/s)"
+            } else {
+                ""
+            };
+            rows.push(
+                Row::new(
+                    format!("HBM {} {} MiB/array, median", k.label(), largest >> 20),
+                    big.median_bps,
+                    "B/s",
+                )
+                .predicted(pred),
+            );
+            rows.push(Row::new(
+                format!("HBM {} {} MiB/array, at p95 time", k.label(), largest >> 20),
+                big.p95_bps,
+                "B/s",
+            ));
+        }
+        if let Some(peak) = of_k
+            .iter()
+            .max_by(|a, b| a.median_bps.total_cmp(&b.median_bps))
+        {
+            rows.push(
+                Row::new(
+                    format!(
+                        "{} best over sizes (at {} KiB/array, inside L2), median",
+                        k.label(),
+                        peak.array_bytes >> 10
+                    ),
+                    peak.median_bps,
+                    "B/s",
+                )
+                .predicted("~2-3x HBM: L2 bandwidth"),
+            );
+        }
+    }
+    for t in r
+        .transfers
+        .iter()
+        .filter(|t| t.bytes == 4096 || t.bytes == 256 << 20)
+    {
+        let pred = match (t.bytes, t.kind) {
+            (4096, _) => "~10e-6 s: latency, not bandwidth",
+            (_, Transfer::HostToDevicePinned | Transfer::DeviceToHostPinned) => {
+                "~50e9 (PCIe 5.0 x16)"
+            }
+            _ => "~half of pinned",
+        };
+        rows.push(
+            Row::new(
+                format!("{} {} KiB, median", t.kind.label(), t.bytes >> 10),
+                t.median_bps,
+                "B/s",
+            )
+            .predicted(pred),
+        );
+    }
+    for g in &r.gemm {
+        let sh = g.shape;
+        let what = format!("cuBLAS {} {}x{}x{}", g.precision.label(), sh.m, sh.n, sh.k);
+        if sh.m == sh.n {
+            let pred = match (g.precision, sh.m) {
+                (Precision::F32, 4096) => "~48e12",
+                (Precision::Bf16 | Precision::F16, 8192) => "~650e12 (0.66 of 989 dense)",
+                _ => "",
+            };
+            rows.push(
+                Row::new(format!("{what}, median"), g.median_flops, "FLOP/s").predicted(pred),
+            );
+        } else if g.precision == Precision::Bf16 {
+            rows.push(
+                Row::new(
+                    format!("{what} / HBM copy bandwidth (min traffic / time)"),
+                    g.median_bps / r.roofline.memory_bps,
+                    "ratio",
+                )
+                .predicted(if sh.m == 1 {
+                    "~0.7 (a GEMV reads the weight once)"
+                } else {
+                    ""
+                }),
+            );
+        }
+    }
+    for p in points.iter().filter(|p| p.name.starts_with("p03")) {
+        rows.push(Row::new(
+            format!("{} / roofline (fp32 roof) at its intensity", p.name),
+            r.roofline.efficiency(p, 0),
+            "ratio",
+        ));
+    }
+    for s in &r.spread {
+        rows.push(
+            Row::new(
+                format!(
+                    "spread over {} runs: {} (max-min)/median",
+                    s.runs.len(),
+                    s.name
+                ),
+                s.range_over_median,
+                "ratio",
+            )
+            .predicted("< 0.03"),
+        );
+    }
+    rows
+}
