@@ -14,6 +14,7 @@
 #[cfg(feature = "bench")]
 pub mod bench;
 pub mod blas;
+pub mod emulate;
 pub mod error;
 pub mod gpu;
 pub mod kernels;

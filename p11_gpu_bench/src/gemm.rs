@@ -12,7 +12,7 @@ use p03_gpu_kernel::{Gpu, GpuError};
 use serde::Serialize;
 
 /// Element type of a GEMM.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub enum Precision {
     F32,
     F16,
@@ -39,7 +39,7 @@ impl Precision {
 }
 
 /// One GEMM shape: C[M,N] = A[M,K] · B[K,N].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct Shape {
     pub m: usize,
     pub n: usize,
@@ -63,7 +63,7 @@ impl Shape {
 }
 
 /// One measured GEMM.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct GemmPoint {
     pub precision: Precision,
     pub shape: Shape,

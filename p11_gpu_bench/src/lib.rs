@@ -9,6 +9,8 @@
 
 pub mod gemm;
 pub mod memory;
+#[cfg(feature = "bench")]
+pub mod report;
 pub mod roofline;
 pub mod spread;
 #[cfg(feature = "bench")]

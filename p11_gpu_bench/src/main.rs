@@ -37,6 +37,15 @@ enum Cmd {
         #[arg(long)]
         no_record: bool,
     },
+    /// Redraw the plots from a suite.json (e.g. one the GPU machine returned).
+    Plot {
+        /// The directory holding suite.json.
+        #[arg(long)]
+        from: PathBuf,
+        /// Where to write the PNGs (default: FROM/plots).
+        #[arg(long)]
+        to: Option<PathBuf>,
+    },
 }
 
 fn main() -> Result<()> {
@@ -71,6 +80,12 @@ fn main() -> Result<()> {
                 );
             }
             println!("wrote {}", args.out.join("suite.json").display());
+            Ok(())
+        }
+        Cmd::Plot { from, to } => {
+            let to = to.unwrap_or_else(|| from.join("plots"));
+            p11_gpu_bench::report::replot(&from, &to)?;
+            println!("plots -> {}", to.display());
             Ok(())
         }
     }

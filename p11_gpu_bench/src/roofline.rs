@@ -9,7 +9,7 @@ use common::plot::{line_chart, Labels, PlotError, Scale, Series};
 use serde::Serialize;
 
 /// The roofs.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct Roofline {
     /// Bytes per second from HBM (measured copy, arrays far beyond L2).
     pub memory_bps: f64,
@@ -18,7 +18,7 @@ pub struct Roofline {
 }
 
 /// A kernel placed on it.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct Point {
     pub name: String,
     /// FLOPs per byte of minimum HBM traffic.

@@ -6,7 +6,7 @@
 use serde::Serialize;
 
 /// The spread of one measurement over runs.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct Spread {
     pub name: String,
     /// Each run's median (the measurement's own unit).

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# The GPU check: one prepared run on the device machine (one H200, CUDA 13,
+# PyTorch, no Rust toolchain, no network). It builds nothing: the binaries
+# come from `bash scripts/gpu_build.sh` on a CPU machine, carried in gpu-bin/.
+#
+#   here:    bash scripts/gpu_build.sh
+#   device:  run(command="bash scripts/gpu_check.sh", carry=["gpu-bin"], timeout_s=420)
+#
+# Steps (each under its own time limit; the whole run is meant to finish in
+# under 6 minutes so a rerun fits in a session's 15 minutes of device time):
+#   1. where the CUDA libraries are; nvidia-smi; whether our binaries start
+#      (glibc, shared libraries) and see the device (`p03_gpu_kernel info`)
+#   2. every GPU test (`--ignored`) of p03 and p11, and their unit tests
+#   3. PyTorch on the same device as a second reference for the matmul peers
+#   4. `p03_gpu_kernel bench`, then `p11_gpu_bench run`: rows, JSON, plots
+# Everything lands under $OUT (returned by the device tool): log.txt, rows.md
+# (numbers.md rows, stamped with the commit gpu-bin was built at), tests/,
+# p03/plots, p11/suite.json, p11/plots, torch.json. Exit status: the number
+# of failed steps (0 = all passed).
+#
+# `bash scripts/gpu_check.sh quick` runs step 1, the tests, and both benches
+# with --quick (about a minute): the first call of a session, to find out
+# cheaply that the binaries run there.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT="$PWD"
+MODE="${1:-full}"
+OUT="${OUT:-$ROOT/gpu-out}"
+BIN="$ROOT/gpu-bin"
+mkdir -p "$OUT/tests"
+export INFERENCE_LAB_ROOT="$ROOT"
+FAILED=0
+log() { echo "[gpu_check $(date -u +%H:%M:%S)] $*" | tee -a "$OUT/log.txt"; }
+step() { # name timeout_s command...
+  local name="$1" limit="$2"
+  shift 2
+  log "start: $name"
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" >"$OUT/tests/$name.txt" 2>&1
+  local rc=$?
+  log "end:   $name rc=$rc in $((SECONDS - t0)) s"
+  if [ "$rc" -ne 0 ]; then
+    FAILED=$((FAILED + 1))
+    tail -n 30 "$OUT/tests/$name.txt" | tee -a "$OUT/log.txt"
+  fi
+  return "$rc"
+}
+
+[ -x "$BIN/p03_gpu_kernel" ] || { log "no $BIN: run scripts/gpu_build.sh here and carry gpu-bin"; exit 100; }
+COMMIT="$(cat "$BIN/COMMIT")"
+log "binaries built at $COMMIT (newest glibc symbol $(cat "$BIN/GLIBC")); mode $MODE"
+ldd --version 2>&1 | head -1 | tee -a "$OUT/log.txt"
+
+# ---- 1. libraries, device, do our binaries start ----------------------------
+CUDA_DIRS=""
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda-13*/lib64 \
+         /usr/lib/x86_64-linux-gnu; do
+  [ -e "$d/libcublas.so.13" ] || [ -e "$d/libnvrtc.so.13" ] && CUDA_DIRS="$CUDA_DIRS:$d"
+done
+# PyTorch's wheels carry their own CUDA libraries: a fallback.
+PY_NV="$(python3 -c 'import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))' 2>/dev/null || true)"
+if [ -n "$PY_NV" ]; then
+  for d in "$PY_NV"/nvidia/*/lib "$PY_NV"/nvidia/cu13/lib; do
+    [ -d "$d" ] && CUDA_DIRS="$CUDA_DIRS:$d"
+  done
+fi
+export LD_LIBRARY_PATH="${CUDA_DIRS#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# The plotting libraries our commands link, only if the image lacks them.
+if ldd "$BIN/p11_gpu_bench" | grep -q "not found"; then
+  log "using carried libraries for: $(ldd "$BIN/p11_gpu_bench" | grep 'not found' | awk '{print $1}' | tr '\n' ' ')"
+  export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$BIN/lib"
+fi
+if ! fc-list 2>/dev/null | grep -q .; then
+  export FONTCONFIG_FILE="$BIN/fonts/fonts.conf"
+  log "no system fonts: using the carried one"
+fi
+log "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || true
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem,power.limit --format=csv \
+  2>&1 | tee -a "$OUT/log.txt"
+
+if ! step info 60 "$BIN/p03_gpu_kernel" info; then
+  log "our binary does not run here: stopping (see tests/info.txt)"
+  exit 100
+fi
+cat "$OUT/tests/info.txt" | tee -a "$OUT/log.txt"
+
+# ---- 2. tests ---------------------------------------------------------------
+# The unit tests include the GPU-opening one (it opens the device when a
+# driver is there); the integration tests are the ignored GPU tests. The
+# nvrtc tests fetch NVRTC through pip, which has no network here: skipped
+# (they run in every CPU test run).
+step p03-unit 120 "$BIN/tests/p03_gpu_kernel-unit" --test-threads=1
+step p03-gpu 300 "$BIN/tests/p03_gpu_kernel-gpu" --ignored --test-threads=1
+step p11-unit 120 "$BIN/tests/p11_gpu_bench-unit" --test-threads=1
+step p11-gpu 120 "$BIN/tests/p11_gpu_bench-gpu" --ignored --test-threads=1
+
+# ---- 3. PyTorch as a second reference ---------------------------------------
+step torch 120 python3 scripts/gpu_torch_check.py "$OUT/torch.json"
+
+# ---- 4. benches -------------------------------------------------------------
+Q=""
+[ "$MODE" = quick ] && Q="--quick"
+step p03-bench 240 "$BIN/p03_gpu_kernel" bench $Q --rows "$OUT/rows.md" --commit "$COMMIT" \
+  --plots "$OUT/p03/plots"
+step p11-run 300 "$BIN/p11_gpu_bench" run $Q --out "$OUT/p11" --rows "$OUT/rows.md" --commit "$COMMIT"
+cat "$OUT/tests/p03-bench.txt" "$OUT/tests/p11-run.txt" 2>/dev/null | grep -v '^\s*$' | tail -n 80 >>"$OUT/log.txt"
+
+log "done: $FAILED step(s) failed"
+exit "$FAILED"
