@@ -18,6 +18,16 @@ struct Cli {
 enum Cmd {
     /// Which CUDA libraries load, the device, and whether the kernels compile for it.
     Info,
+    /// The kernels' PTX for a compute capability (NVRTC only, no GPU): read
+    /// what the compiler made of them, or feed it to `ptxas -v`.
+    Ptx {
+        /// Compute capability as major and minor digits (90 = H100/H200).
+        #[arg(long, default_value_t = 90)]
+        sm: u32,
+        /// Write here instead of standard output.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Ceilings, then every kernel against them; rows to numbers.md (or --rows).
     Bench {
         /// Square matmul sizes.
@@ -44,6 +54,18 @@ enum Cmd {
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Info => info(),
+        Cmd::Ptx { sm, out } => {
+            let arch = p03_gpu_kernel::kernels::virtual_arch((sm / 10) as i32, (sm % 10) as i32)
+                .ok_or_else(|| {
+                    anyhow::anyhow!("--sm {sm}: not a compute capability this lab knows")
+                })?;
+            let ptx = p03_gpu_kernel::gpu::compile(Some(arch))?.to_src();
+            match out {
+                Some(path) => std::fs::write(&path, ptx)?,
+                None => print!("{ptx}"),
+            }
+            Ok(())
+        }
         Cmd::Bench {
             sizes,
             quick,
