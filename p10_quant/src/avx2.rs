@@ -174,3 +174,90 @@ pub unsafe fn expand_q8_0(b: &[BlockQ8_0], out: &mut [f32]) {
         }
     }
 }
+
+/// One block of activations quantised to 8 bits, as the scalar reference
+/// does it (`formats::q8`), bit for bit: max |x| by `vmaxps` over the
+/// absolute values (the same maximum as the scalar fold), the same f32
+/// divide and reciprocal, the same products, and C's `roundf` (halves away
+/// from zero) built from truncation: t = trunc(v), then t ± 1 where
+/// |v − t| ≥ 0.5 (v − t is exact). Returns (d, the 32 values, Σ values).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q8_block(x: &[f32]) -> (f32, [i8; 32], i32) {
+    debug_assert!(x.len() >= 32);
+    // SAFETY: the caller passes at least 32 readable floats (one block);
+    // the loads are unaligned.
+    let v: [__m256; 4] = unsafe { std::array::from_fn(|i| _mm256_loadu_ps(x.as_ptr().add(8 * i))) };
+    let sign = _mm256_set1_ps(-0.0);
+    let abs = |a: __m256| _mm256_andnot_ps(sign, a);
+    let m = _mm256_max_ps(
+        _mm256_max_ps(abs(v[0]), abs(v[1])),
+        _mm256_max_ps(abs(v[2]), abs(v[3])),
+    );
+    let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let idv = _mm256_set1_ps(id);
+    let half = _mm256_set1_ps(0.5);
+    let one = _mm256_set1_ps(1.0);
+    let round = |a: __m256| {
+        let p = _mm256_mul_ps(a, idv);
+        let t = _mm256_round_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        let away = _mm256_cmp_ps(abs(_mm256_sub_ps(p, t)), half, _CMP_GE_OQ);
+        // ±1 with p's sign where the fraction is at least a half.
+        let step = _mm256_and_ps(away, _mm256_or_ps(one, _mm256_and_ps(p, sign)));
+        _mm256_cvttps_epi32(_mm256_add_ps(t, step))
+    };
+    let q: [__m256i; 4] = std::array::from_fn(|i| round(v[i]));
+    // i32 → i16 → i8 with saturation (|q| ≤ 127, so nothing saturates);
+    // packs work per 128-bit lane, so the result is put back in order.
+    let q16a = _mm256_packs_epi32(q[0], q[1]);
+    let q16b = _mm256_packs_epi32(q[2], q[3]);
+    let q8 = _mm256_packs_epi16(q16a, q16b);
+    let q8 = _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    let mut qs = [0i8; 32];
+    // SAFETY: `qs` is 32 writable bytes; the store is unaligned.
+    unsafe { _mm256_storeu_si256(qs.as_mut_ptr().cast(), q8) };
+    let s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+    (d, qs, _mm_cvtsi128_si32(s))
+}
+
+/// A row of activations into Q8_0 blocks (`out.len()` blocks from the first
+/// `32 · out.len()` values of `x`).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C, and `x` must hold at least
+/// `32 · out.len()` values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn quantize_q8_0(x: &[f32], out: &mut [BlockQ8_0]) {
+    assert!(x.len() >= 32 * out.len(), "quantize_q8_0: short input row");
+    for (b, xb) in out.iter_mut().zip(x.chunks_exact(32)) {
+        let (d, qs, _) = q8_block(xb);
+        *b = BlockQ8_0 {
+            d: half::f16::from_f32(d).to_bits(),
+            qs,
+        };
+    }
+}
+
+/// A row of activations into Q8_1 blocks (with s = d · Σ q).
+///
+/// # Safety
+/// As [`quantize_q8_0`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn quantize_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
+    assert!(x.len() >= 32 * out.len(), "quantize_q8_1: short input row");
+    for (b, xb) in out.iter_mut().zip(x.chunks_exact(32)) {
+        let (d, qs, sum) = q8_block(xb);
+        *b = BlockQ8_1 {
+            d: half::f16::from_f32(d).to_bits(),
+            s: half::f16::from_f32(sum as f32 * d).to_bits(),
+            qs,
+        };
+    }
+}

@@ -9,7 +9,7 @@
 //! | Q4_0 | Q8_0 | d_w·d_x·Σ (nib − 8)·q |
 //! | Q8_0 | Q8_0 | d_w·d_x·Σ q_w·q_x |
 
-use crate::formats::{f, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
+use crate::formats::{f, quantize_row_into, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, FormatError};
 use crate::isa::Isa;
 
 /// Why a kernel path cannot be used.
@@ -100,6 +100,61 @@ impl Dot {
             (_, BlocksRef::Q4_0(b)) => drop(dequantize_row(&b[..n.min(b.len())], out)),
             (_, BlocksRef::Q8_0(b)) => drop(dequantize_row(&b[..n.min(b.len())], out)),
         }
+    }
+}
+
+/// The 8-bit activation formats, quantised by a [`Dot`]'s path: the AVX2
+/// quantiser (`avx2::quantize_q8_*`) gives the scalar reference's blocks bit
+/// for bit (same maximum, same divide, same products, `roundf`'s rounding).
+pub trait Activation: crate::formats::Block {
+    /// `x` (a whole number of blocks) into `out` (cleared first).
+    fn quantize_row_with(dot: Dot, x: &[f32], out: &mut Vec<Self>) -> Result<(), FormatError>;
+}
+
+fn prepare<B: crate::formats::Block>(x: &[f32], out: &mut Vec<B>) -> Result<(), FormatError> {
+    if !x.len().is_multiple_of(crate::formats::QK) {
+        return Err(FormatError::Ragged { len: x.len() });
+    }
+    out.clear();
+    out.resize(x.len() / crate::formats::QK, B::default());
+    Ok(())
+}
+
+impl Activation for BlockQ8_0 {
+    fn quantize_row_with(dot: Dot, x: &[f32], out: &mut Vec<Self>) -> Result<(), FormatError> {
+        match dot.isa {
+            // SAFETY: `Dot` exists for Avx2 only when the CPU has AVX2, FMA
+            // and F16C; `prepare` sized `out` to x.len() / 32 blocks.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                prepare(x, out)?;
+                unsafe { crate::avx2::quantize_q8_0(x, out) };
+                Ok(())
+            }
+            _ => quantize_row_into(x, out),
+        }
+    }
+}
+
+impl Activation for BlockQ8_1 {
+    fn quantize_row_with(dot: Dot, x: &[f32], out: &mut Vec<Self>) -> Result<(), FormatError> {
+        match dot.isa {
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                prepare(x, out)?;
+                unsafe { crate::avx2::quantize_q8_1(x, out) };
+                Ok(())
+            }
+            _ => quantize_row_into(x, out),
+        }
+    }
+}
+
+impl Dot {
+    /// Quantise a row of activations with this path (see [`Activation`]).
+    pub fn quantize_row<B: Activation>(self, x: &[f32], out: &mut Vec<B>) -> Result<(), FormatError> {
+        B::quantize_row_with(self, x, out)
     }
 }
 

@@ -16,7 +16,7 @@
 
 use std::cell::RefCell;
 
-use crate::formats::{quantize_row_into, BlockQ8_0, BlockQ8_1, QK};
+use crate::formats::{BlockQ8_0, BlockQ8_1, QK};
 use crate::matrix::{Blocks, MatrixError, QuantMatrix};
 use crate::pool::Pool;
 use p04_transformer::proj::MAX_GROUP;
@@ -109,7 +109,7 @@ impl QuantMatrix {
                         Blocks::$variant(b) => Some(&b[..]),
                         _ => None,
                     })?;
-                    quantize_row_into(x, $xq)?;
+                    quantiser(dot).quantize_row(x, $xq)?;
                     let (ws, xq) = (&w[..mats.len()], &**$xq);
                     rows_times(ws, outs, per, xq, m, pool, threads, |w, x| dot.$dot(w, x));
                 }};
@@ -203,4 +203,21 @@ struct Scratch {
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+static SCALAR_QUANTISER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Quantise activations with the scalar reference even where the dot
+/// products use SIMD, for before/after measurements of the SIMD quantiser
+/// (`examples/decode_ab.rs quantiser`). Off by default.
+pub fn set_scalar_quantiser(on: bool) {
+    SCALAR_QUANTISER.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn quantiser(dot: crate::Dot) -> crate::Dot {
+    if SCALAR_QUANTISER.load(std::sync::atomic::Ordering::Relaxed) {
+        crate::Dot::new(crate::Isa::Scalar).unwrap_or(dot)
+    } else {
+        dot
+    }
 }

@@ -288,3 +288,61 @@ fn integer_dots_stay_within_the_activation_quantisation_bound() {
         }
     }
 }
+
+/// Rows that probe the quantiser: random scales, exact ties (v · id lands on
+/// k + 0.5 for a range of k, both signs), all-zero blocks (d = 0), a single
+/// non-zero value, negative and positive extremes, subnormals and huge values.
+fn quantiser_rows(rng: &mut Rng) -> Vec<Vec<f32>> {
+    let mut rows: Vec<Vec<f32>> = vec![
+        vec![0.0; QK],
+        vec![-0.0; 2 * QK],
+        {
+            let mut r = vec![0.0f32; QK];
+            r[7] = -3.5;
+            r
+        },
+        // max |x| = 127 makes id = 1, so x = k + 0.5 is an exact tie.
+        (0..QK).map(|j| if j == 0 { 127.0 } else { (j as f32 - 16.0) + 0.5 }).collect(),
+        (0..QK).map(|j| if j == 31 { -127.0 } else { -(j as f32) - 0.5 }).collect(),
+        (0..QK).map(|j| f32::from_bits(1 + j as u32)).collect(), // subnormals
+        (0..QK).map(|j| if j % 2 == 0 { 3.0e38 } else { -1.0e38 }).collect(),
+    ];
+    for len in [1, 2, 3, 18, 48] {
+        for scale in [1e-6f32, 0.02, 1.0, 300.0] {
+            rows.push(normal(rng, len * QK, scale));
+        }
+    }
+    rows
+}
+
+#[test]
+fn the_simd_activation_quantisers_match_the_scalar_reference_bit_for_bit() {
+    let mut rng = Rng::new(0x9a);
+    let scalar = Dot::new(Isa::Scalar).unwrap();
+    for isa in Isa::available() {
+        let dot = Dot::new(isa).unwrap();
+        for (i, x) in quantiser_rows(&mut rng).iter().enumerate() {
+            let (mut a0, mut b0) = (Vec::<BlockQ8_0>::new(), Vec::<BlockQ8_0>::new());
+            dot.quantize_row(x, &mut a0).unwrap();
+            scalar.quantize_row(x, &mut b0).unwrap();
+            assert_eq!(a0, b0, "Q8_0, {isa}, row {i}");
+            // And both are the format's own reference quantiser.
+            assert_eq!(b0, quantize_row::<BlockQ8_0>(x).unwrap(), "row {i}");
+            let (mut a1, mut b1) = (Vec::<BlockQ8_1>::new(), Vec::<BlockQ8_1>::new());
+            dot.quantize_row(x, &mut a1).unwrap();
+            scalar.quantize_row(x, &mut b1).unwrap();
+            assert_eq!(a1, b1, "Q8_1, {isa}, row {i}");
+        }
+        // Ties round away from zero, as C's roundf: 0.5 -> 1, -1.5 -> -2.
+        let mut x = vec![0.0f32; QK];
+        x[0] = 127.0;
+        x[1] = 0.5;
+        x[2] = -1.5;
+        x[3] = 2.4999998;
+        let mut q = Vec::<BlockQ8_0>::new();
+        dot.quantize_row(&x, &mut q).unwrap();
+        assert_eq!(&q[0].qs[..4], &[127, 1, -2, 2], "{isa}");
+        // A ragged row is an error, not a short read.
+        assert!(dot.quantize_row(&x[..31], &mut q).is_err(), "{isa}");
+    }
+}
