@@ -57,6 +57,10 @@ cat > "$BIN/fonts/fonts.conf" <<'XML'
   <include ignore_missing="yes">/etc/fonts/fonts.conf</include>
 </fontconfig>
 XML
+# What the binaries were built from: gpu_check.sh refuses to run them
+# against a tree whose sources differ (a stale gpu-bin tests old kernels).
+git ls-files -- common p01_engine p02_matmul_bench p03_gpu_kernel p11_gpu_bench \
+  | grep -E '\.(rs|cu|h|cpp|toml)$' | xargs sha256sum > "$BIN/SOURCES"
 git rev-parse --short=10 HEAD > "$BIN/COMMIT"
 if [ -n "$(git status --porcelain --untracked-files=no -- . ':!numbers.md' ':!*/plots/*')" ]; then
   echo "$(cat "$BIN/COMMIT")-dirty" > "$BIN/COMMIT"

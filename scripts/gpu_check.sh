@@ -4,19 +4,21 @@
 # come from `bash scripts/gpu_build.sh` on a CPU machine, carried in gpu-bin/.
 #
 #   here:    bash scripts/gpu_build.sh
-#   device:  run(command="bash scripts/gpu_check.sh", carry=["gpu-bin"], timeout_s=420)
+#   device:  run(command="bash scripts/gpu_check.sh", carry=["gpu-bin"], timeout_s=400)
 #
-# Steps (each under its own time limit; the whole run is meant to finish in
-# under 6 minutes so a rerun fits in a session's 15 minutes of device time):
+# Steps (each under its own time limit, all under one deadline of 330 s, so
+# the packing at the end always runs and a rerun fits in a session's 15
+# minutes of device time):
 #   1. where the CUDA libraries are; nvidia-smi; whether our binaries start
 #      (glibc, shared libraries) and see the device (`p03_gpu_kernel info`)
 #   2. every GPU test (`--ignored`) of p03 and p11, and their unit tests
-#   3. PyTorch on the same device as a second reference for the matmul peers
-#   4. `p03_gpu_kernel bench`, then `p11_gpu_bench run`: rows, JSON, plots
-# Everything lands under $OUT (returned by the device tool): log.txt, rows.md
-# (numbers.md rows, stamped with the commit gpu-bin was built at), tests/,
-# p03/plots, p11/suite.json, p11/plots, torch.json. Exit status: the number
-# of failed steps (0 = all passed).
+#   3. `p03_gpu_kernel bench`, then `p11_gpu_bench run`: rows, JSON, plots
+#   4. PyTorch on the same device as a second reference for the matmul peers
+# The device tool returns at most 8 files from $OUT, so what comes back is:
+# log.txt, rows.md (numbers.md rows, stamped with the commit gpu-bin was
+# built at), torch.json, p11/suite.json, and all.tgz (every step's output,
+# nvidia-smi, and the plots: p03/plots, p11/plots). Exit status: the number
+# of failed steps (0 = all passed); 100 = the binaries cannot run here.
 #
 # `bash scripts/gpu_check.sh quick` runs step 1, the tests, and both benches
 # with --quick (about a minute): the first call of a session, to find out
@@ -30,11 +32,19 @@ BIN="$ROOT/gpu-bin"
 mkdir -p "$OUT/tests"
 export INFERENCE_LAB_ROOT="$ROOT"
 FAILED=0
+DEADLINE=$((SECONDS + 330))
 log() { echo "[gpu_check $(date -u +%H:%M:%S)] $*" | tee -a "$OUT/log.txt"; }
 step() { # name timeout_s command...
   local name="$1" limit="$2"
   shift 2
-  log "start: $name"
+  local left=$((DEADLINE - SECONDS - 20))
+  [ "$limit" -gt "$left" ] && limit="$left"
+  if [ "$limit" -le 0 ]; then
+    log "skip:  $name (deadline)"
+    FAILED=$((FAILED + 1))
+    return 1
+  fi
+  log "start: $name (limit ${limit} s)"
   local t0=$SECONDS
   timeout --kill-after=10 "$limit" "$@" >"$OUT/tests/$name.txt" 2>&1
   local rc=$?
@@ -46,15 +56,31 @@ step() { # name timeout_s command...
   return "$rc"
 }
 
-[ -x "$BIN/p03_gpu_kernel" ] || { log "no $BIN: run scripts/gpu_build.sh here and carry gpu-bin"; exit 100; }
+pack() { # everything but the four loose files into all.tgz ($OUT returns at most 8 files)
+  local items=()
+  for f in tests p03 p11/plots nvidia-smi.txt; do [ -e "$OUT/$f" ] && items+=("$f"); done
+  if [ "${#items[@]}" -gt 0 ]; then
+    tar czf "$OUT/all.tgz" -C "$OUT" "${items[@]}" && (cd "$OUT" && rm -rf "${items[@]}")
+  fi
+}
+trap pack EXIT
+
+[ -d "$BIN" ] || { log "no $BIN: run scripts/gpu_build.sh here and carry gpu-bin"; exit 100; }
+chmod +x "$BIN"/p03_gpu_kernel "$BIN"/p11_gpu_bench "$BIN"/tests/* 2>/dev/null
+# The binaries must be built from the sources that travelled with them.
+if ! (cd "$ROOT" && sha256sum --quiet -c "$BIN/SOURCES") >>"$OUT/log.txt" 2>&1; then
+  log "gpu-bin was built from other sources than this tree: rerun scripts/gpu_build.sh"
+  exit 100
+fi
 COMMIT="$(cat "$BIN/COMMIT")"
 log "binaries built at $COMMIT (newest glibc symbol $(cat "$BIN/GLIBC")); mode $MODE"
 ldd --version 2>&1 | head -1 | tee -a "$OUT/log.txt"
 
 # ---- 1. libraries, device, do our binaries start ----------------------------
 CUDA_DIRS=""
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda-13*/lib64 \
-         /usr/lib/x86_64-linux-gnu; do
+# (Not /usr/lib/x86_64-linux-gnu: it is on the default path, and ahead of
+# the driver's mount it could shadow libcuda.so.1.)
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda-13*/lib64; do
   [ -e "$d/libcublas.so.13" ] || [ -e "$d/libnvrtc.so.13" ] && CUDA_DIRS="$CUDA_DIRS:$d"
 done
 # PyTorch's wheels carry their own CUDA libraries: a fallback.
@@ -79,7 +105,7 @@ nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || true
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem,power.limit --format=csv \
   2>&1 | tee -a "$OUT/log.txt"
 
-if ! step info 60 "$BIN/p03_gpu_kernel" info; then
+if ! step info 45 "$BIN/p03_gpu_kernel" info; then
   log "our binary does not run here: stopping (see tests/info.txt)"
   exit 100
 fi
@@ -90,20 +116,20 @@ cat "$OUT/tests/info.txt" | tee -a "$OUT/log.txt"
 # driver is there); the integration tests are the ignored GPU tests. The
 # nvrtc tests fetch NVRTC through pip, which has no network here: skipped
 # (they run in every CPU test run).
-step p03-unit 120 "$BIN/tests/p03_gpu_kernel-unit" --test-threads=1
-step p03-gpu 300 "$BIN/tests/p03_gpu_kernel-gpu" --ignored --test-threads=1
-step p11-unit 120 "$BIN/tests/p11_gpu_bench-unit" --test-threads=1
-step p11-gpu 120 "$BIN/tests/p11_gpu_bench-gpu" --ignored --test-threads=1
+step p03-unit 30 "$BIN/tests/p03_gpu_kernel-unit" --test-threads=1
+step p03-gpu 120 "$BIN/tests/p03_gpu_kernel-gpu" --ignored --test-threads=1
+step p11-unit 30 "$BIN/tests/p11_gpu_bench-unit" --test-threads=1
+step p11-gpu 60 "$BIN/tests/p11_gpu_bench-gpu" --ignored --test-threads=1
 
-# ---- 3. PyTorch as a second reference ---------------------------------------
-step torch 120 python3 scripts/gpu_torch_check.py "$OUT/torch.json"
-
-# ---- 4. benches -------------------------------------------------------------
+# ---- 3. benches -------------------------------------------------------------
 Q=""
 [ "$MODE" = quick ] && Q="--quick"
-step p03-bench 240 "$BIN/p03_gpu_kernel" bench $Q --rows "$OUT/rows.md" --commit "$COMMIT" \
+step p03-bench 120 "$BIN/p03_gpu_kernel" bench $Q --rows "$OUT/rows.md" --commit "$COMMIT" \
   --plots "$OUT/p03/plots"
-step p11-run 300 "$BIN/p11_gpu_bench" run $Q --out "$OUT/p11" --rows "$OUT/rows.md" --commit "$COMMIT"
+step p11-run 150 "$BIN/p11_gpu_bench" run $Q --out "$OUT/p11" --rows "$OUT/rows.md" --commit "$COMMIT"
+# ---- 4. PyTorch as a second reference ---------------------------------------
+step torch 90 python3 scripts/gpu_torch_check.py "$OUT/torch.json"
+
 cat "$OUT/tests/p03-bench.txt" "$OUT/tests/p11-run.txt" 2>/dev/null | grep -v '^\s*$' | tail -n 80 >>"$OUT/log.txt"
 
 log "done: $FAILED step(s) failed"

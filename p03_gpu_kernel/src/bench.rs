@@ -19,7 +19,7 @@ use crate::blas::Blas;
 use crate::error::GpuError;
 use crate::gpu::Gpu;
 use crate::kernels::Matmul;
-use crate::timing::{reps_for, time_events, time_host};
+use crate::timing::{time_auto, time_events, time_host, warm_clocks};
 
 /// What to run and where the rows go.
 #[derive(Clone, Debug)]
@@ -61,7 +61,8 @@ pub fn copy_bandwidth(gpu: &Gpu, bytes: usize, reps: usize) -> Result<Summary, G
     let n = bytes / 4;
     let src = gpu.zeros(n)?;
     let mut dst = gpu.zeros(n)?;
-    let ms = time_events(gpu, 2, reps, || {
+    let budget = reps as f64 * 0.5; // about 0.5 ms per repetition at 4 TB/s
+    let ms = time_auto(gpu, budget.max(5.0), || {
         gpu.stream().memcpy_dtod(&src, &mut dst)?;
         Ok(())
     })?;
@@ -140,6 +141,16 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let q = args.quick;
     let reps = if q { 5 } else { 30 };
     let mut rows = Vec::new();
+    // Clocks up first (an idle H200 sits at 345 MHz): half a second of
+    // SGEMM 4096 before anything is timed.
+    {
+        let n = 4096;
+        let a = gpu.zeros(n * n)?;
+        let mut c = gpu.zeros(n * n)?;
+        warm_clocks(&gpu, if q { 0.2 } else { 0.5 }, || {
+            blas.sgemm(&a, &a, &mut c, (n, n, n))
+        })?;
+    }
 
     // ---- ceilings ---------------------------------------------------------
     let copy_bytes = 1usize << 30;
@@ -180,6 +191,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         "~8e-6",
     ));
 
+    let budget_ms = if q { 50.0 } else { 300.0 };
     // ---- vector add against copy bandwidth --------------------------------
     let n = 1usize << 28; // 1 GiB per array
     let (a, b) = (gpu.upload(&random(n, 1))?, gpu.upload(&random(n, 2))?);
@@ -188,7 +200,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         (false, "vector add (grid-stride)", "~0.85 of copy"),
         (true, "vector add float4 (grid-stride)", "~0.90 of copy"),
     ] {
-        let s = secs(&time_events(&gpu, 2, reps, || {
+        let s = secs(&time_auto(&gpu, budget_ms, || {
             gpu.vector_add(&a, &b, &mut c, vec4)
         })?);
         let bps = 12.0 * n as f64 / s.median;
@@ -241,24 +253,25 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         let w = gpu.upload(&random(width, 6))?;
         let mut y = gpu.zeros(total)?;
         let bytes = 8.0 * total as f64; // read x once, write y once (the ideal)
-        let s = secs(&time_events(&gpu, 2, reps, || {
+        let s = secs(&time_auto(&gpu, budget_ms, || {
             gpu.softmax_rows(&x, &mut y, rows_n, width)
         })?);
-        let r = secs(&time_events(&gpu, 2, reps, || {
+        let r = secs(&time_auto(&gpu, budget_ms, || {
             gpu.rmsnorm_rows(&x, &w, &mut y, rows_n, width, 1e-5)
         })?);
-        for (name, sum, pred) in [
+        // 64 rows are 64 blocks on 132 SMs: half the machine idles.
+        let (ps, pr) = if rows_n >= 1024 {
             (
-                "softmax rows",
-                s,
                 "~0.6 of copy: three passes over each row, two from cache",
-            ),
-            (
-                "RMSNorm rows",
-                r,
                 "~0.7 of copy: two passes, one from cache",
-            ),
-        ] {
+            )
+        } else {
+            (
+                "~0.25 of copy: 64 blocks for 132 SMs",
+                "~0.3 of copy: 64 blocks for 132 SMs",
+            )
+        };
+        for (name, sum, pred) in [("softmax rows", s, ps), ("RMSNorm rows", r, pr)] {
             let bps = bytes / sum.median;
             println!(
                 "{name} {rows_n}x{width}: {:.0} GB/s = {:.3} of copy",
@@ -394,15 +407,16 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Time one matmul: a probe call sets the repetitions (about 0.5 s of work,
-/// 3 to 30 of them), then events around each.
+/// Time one matmul within about 0.5 s of device time (0.1 s quick).
 fn time_matmul(
     gpu: &Gpu,
     quick: bool,
     mut f: impl FnMut(&mut CudaSlice<f32>) -> Result<(), GpuError>,
     c: &mut CudaSlice<f32>,
 ) -> Result<Summary, GpuError> {
-    let probe = time_events(gpu, 1, 1, || f(c))?;
-    let reps = reps_for(probe[0], if quick { 100.0 } else { 500.0 }, 3, 30);
-    Ok(secs(&time_events(gpu, 1, reps, || f(c))?))
+    Ok(secs(&time_auto(
+        gpu,
+        if quick { 100.0 } else { 500.0 },
+        || f(c),
+    )?))
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUdevice_attribute as Attr;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
 
@@ -221,6 +221,16 @@ impl Gpu {
                 c.len()
             )));
         }
+        // float4 accesses need 16-byte-aligned buffers (allocations are;
+        // a view into one need not be).
+        let vectorized = vectorized
+            && [
+                a.device_ptr(&self.stream).0,
+                b.device_ptr(&self.stream).0,
+                c.device_ptr(&self.stream).0,
+            ]
+            .iter()
+            .all(|p| p % 16 == 0);
         let (name, per_thread) = if vectorized {
             ("vector_add4", 4)
         } else {

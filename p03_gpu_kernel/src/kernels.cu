@@ -65,7 +65,7 @@ extern "C" __global__ void vector_add(const float* __restrict__ a,
 // The same with 16-byte loads and stores (float4): a quarter of the memory
 // instructions for the same bytes. n4 = n / 4 vectors; the last n % 4 floats
 // are done one at a time by the first threads. Needs 16-byte-aligned
-// pointers, which cuMemAlloc gives (256 bytes).
+// pointers: the host checks (Gpu::vector_add) before choosing this kernel.
 extern "C" __global__ void vector_add4(const float4* __restrict__ a,
                                        const float4* __restrict__ b,
                                        float4* __restrict__ c,
@@ -105,7 +105,8 @@ extern "C" __global__ void matmul_naive(const float* __restrict__ A,
 // (each thread one element of each, coalesced), syncs, and every thread does
 // 32 FMAs from shared memory. Each global load is reused 32 times.
 #define TILE 32
-extern "C" __global__ void matmul_tiled(const float* __restrict__ A,
+extern "C" __global__ void __launch_bounds__(TILE * TILE)
+matmul_tiled(const float* __restrict__ A,
                                         const float* __restrict__ B,
                                         float* __restrict__ C,
                                         int M, int N, int K) {
@@ -144,8 +145,9 @@ matmul_regblock(const float* __restrict__ A,
                 const float* __restrict__ B,
                 float* __restrict__ C,
                 int M, int N, int K) {
-    __shared__ float As[RB_BK][RB_BM];
-    __shared__ float Bs[RB_BK][RB_BN];
+    // 16-byte aligned: Bs is stored to as float4.
+    __shared__ __align__(16) float As[RB_BK][RB_BM];
+    __shared__ __align__(16) float Bs[RB_BK][RB_BN];
     const int tid = threadIdx.x;
     const int trow = tid / (RB_BN / RB_TN);  // 0..15: which 8 rows of the tile
     const int tcol = tid % (RB_BN / RB_TN);  // 0..15: which 8 columns

@@ -17,13 +17,32 @@ use crate::error::GpuError;
 use crate::gpu::Gpu;
 
 /// Per-call device times in milliseconds: `warmup` untimed calls of `work`,
-/// then `reps` calls each between its own pair of timing events.
+/// then `reps` calls each between its own pair of timing events (created
+/// before the first is recorded, so no event creation sits between them).
+///
+/// Right for work that keeps the GPU busy longer than the host takes to
+/// queue the next call (about 10 µs); shorter work lets the queue drain,
+/// and the gap is timed with it: use [`time_batched`] or [`time_auto`].
 pub fn time_events(
     gpu: &Gpu,
     warmup: usize,
     reps: usize,
+    work: impl FnMut() -> Result<(), GpuError>,
+) -> Result<Vec<f64>, GpuError> {
+    time_batched(gpu, warmup, reps, 1, work)
+}
+
+/// Per-call device times in milliseconds of `batch` calls back to back
+/// between one pair of events, `reps` times: the queue stays ahead of the
+/// GPU, so the time is the work's, not the host's.
+pub fn time_batched(
+    gpu: &Gpu,
+    warmup: usize,
+    reps: usize,
+    batch: usize,
     mut work: impl FnMut() -> Result<(), GpuError>,
 ) -> Result<Vec<f64>, GpuError> {
+    let batch = batch.max(1);
     for _ in 0..warmup {
         work()?;
     }
@@ -32,18 +51,59 @@ pub fn time_events(
     let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
     let mut pairs = Vec::with_capacity(reps);
     for _ in 0..reps {
-        let start = ctx.new_event(flags)?;
-        let end = ctx.new_event(flags)?;
+        pairs.push((ctx.new_event(flags)?, ctx.new_event(flags)?));
+    }
+    for (start, end) in &pairs {
         start.record(gpu.stream())?;
-        work()?;
+        for _ in 0..batch {
+            work()?;
+        }
         end.record(gpu.stream())?;
-        pairs.push((start, end));
     }
     gpu.sync()?;
     pairs
         .iter()
-        .map(|(s, e)| Ok(f64::from(s.elapsed_ms(e)?)))
+        .map(|(s, e)| Ok(f64::from(s.elapsed_ms(e)?) / batch as f64))
         .collect()
+}
+
+/// Time `work` within about `budget_ms` of device time: one probe call
+/// sets a batch of at least [`MIN_BATCH_MS`] of work between events and
+/// the repetitions (5 to 30); per-call milliseconds.
+pub fn time_auto(
+    gpu: &Gpu,
+    budget_ms: f64,
+    mut work: impl FnMut() -> Result<(), GpuError>,
+) -> Result<Vec<f64>, GpuError> {
+    let probe = time_batched(gpu, 1, 1, 1, &mut work)?[0];
+    let batch = if probe > 0.0 {
+        ((MIN_BATCH_MS / probe).ceil() as usize).clamp(1, 1000)
+    } else {
+        1000
+    };
+    let reps = reps_for(probe * batch as f64, budget_ms, 5, 30);
+    time_batched(gpu, 1, reps, batch, work)
+}
+
+/// The least device time between a pair of events in [`time_auto`].
+pub const MIN_BATCH_MS: f64 = 1.0;
+
+/// Bring the clocks up before measuring: an idle H200 sits at 345 MHz and
+/// takes a moment of load to reach its 1,980 MHz. `work` (a heavy kernel)
+/// runs until `seconds` of host time have passed.
+pub fn warm_clocks(
+    gpu: &Gpu,
+    seconds: f64,
+    mut work: impl FnMut() -> Result<(), GpuError>,
+) -> Result<(), GpuError> {
+    let t = std::time::Instant::now();
+    while t.elapsed().as_secs_f64() < seconds {
+        for _ in 0..10 {
+            work()?;
+        }
+        gpu.sync()?;
+    }
+    Ok(())
 }
 
 /// Per-call host times in milliseconds of `work` followed by a synchronise.

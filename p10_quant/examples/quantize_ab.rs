@@ -16,7 +16,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() {
     let mut rng = common::rng::Rng::new(7);
-    let paths: Vec<Dot> = Isa::available().into_iter().filter_map(|i| Dot::new(i).ok()).collect();
+    let paths: Vec<Dot> = Isa::available()
+        .into_iter()
+        .filter_map(|i| Dot::new(i).ok())
+        .collect();
     for width in [576usize, 1536] {
         let x: Vec<f32> = (0..width).map(|_| rng.next_f32() * 4.0 - 2.0).collect();
         let mut times = vec![Vec::new(); paths.len()];
@@ -32,7 +35,11 @@ fn main() {
             }
         }
         for (dot, t) in paths.iter().zip(times) {
-            println!("width {width:>5} {:>6}: {:>8.2} us per row", dot.isa().name(), median(t) * 1e6);
+            println!(
+                "width {width:>5} {:>6}: {:>8.2} us per row",
+                dot.isa().name(),
+                median(t) * 1e6
+            );
         }
     }
 }

@@ -9,7 +9,9 @@
 //! | Q4_0 | Q8_0 | d_w·d_x·Σ (nib − 8)·q |
 //! | Q8_0 | Q8_0 | d_w·d_x·Σ q_w·q_x |
 
-use crate::formats::{f, quantize_row_into, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, FormatError};
+use crate::formats::{
+    f, quantize_row_into, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, FormatError,
+};
 use crate::isa::Isa;
 
 /// Why a kernel path cannot be used.
@@ -123,11 +125,11 @@ fn prepare<B: crate::formats::Block>(x: &[f32], out: &mut Vec<B>) -> Result<(), 
 impl Activation for BlockQ8_0 {
     fn quantize_row_with(dot: Dot, x: &[f32], out: &mut Vec<Self>) -> Result<(), FormatError> {
         match dot.isa {
-            // SAFETY: `Dot` exists for Avx2 only when the CPU has AVX2, FMA
-            // and F16C; `prepare` sized `out` to x.len() / 32 blocks.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => {
                 prepare(x, out)?;
+                // SAFETY: `Dot` exists for Avx2 only when the CPU has AVX2,
+                // FMA and F16C; `prepare` sized `out` to x.len() / 32 blocks.
                 unsafe { crate::avx2::quantize_q8_0(x, out) };
                 Ok(())
             }
@@ -139,10 +141,10 @@ impl Activation for BlockQ8_0 {
 impl Activation for BlockQ8_1 {
     fn quantize_row_with(dot: Dot, x: &[f32], out: &mut Vec<Self>) -> Result<(), FormatError> {
         match dot.isa {
-            // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => {
                 prepare(x, out)?;
+                // SAFETY: as above.
                 unsafe { crate::avx2::quantize_q8_1(x, out) };
                 Ok(())
             }
@@ -153,7 +155,11 @@ impl Activation for BlockQ8_1 {
 
 impl Dot {
     /// Quantise a row of activations with this path (see [`Activation`]).
-    pub fn quantize_row<B: Activation>(self, x: &[f32], out: &mut Vec<B>) -> Result<(), FormatError> {
+    pub fn quantize_row<B: Activation>(
+        self,
+        x: &[f32],
+        out: &mut Vec<B>,
+    ) -> Result<(), FormatError> {
         B::quantize_row_with(self, x, out)
     }
 }

@@ -302,10 +302,22 @@ fn quantiser_rows(rng: &mut Rng) -> Vec<Vec<f32>> {
             r
         },
         // max |x| = 127 makes id = 1, so x = k + 0.5 is an exact tie.
-        (0..QK).map(|j| if j == 0 { 127.0 } else { (j as f32 - 16.0) + 0.5 }).collect(),
-        (0..QK).map(|j| if j == 31 { -127.0 } else { -(j as f32) - 0.5 }).collect(),
+        (0..QK)
+            .map(|j| {
+                if j == 0 {
+                    127.0
+                } else {
+                    (j as f32 - 16.0) + 0.5
+                }
+            })
+            .collect(),
+        (0..QK)
+            .map(|j| if j == 31 { -127.0 } else { -(j as f32) - 0.5 })
+            .collect(),
         (0..QK).map(|j| f32::from_bits(1 + j as u32)).collect(), // subnormals
-        (0..QK).map(|j| if j % 2 == 0 { 3.0e38 } else { -1.0e38 }).collect(),
+        (0..QK)
+            .map(|j| if j % 2 == 0 { 3.0e38 } else { -1.0e38 })
+            .collect(),
     ];
     for len in [1, 2, 3, 18, 48] {
         for scale in [1e-6f32, 0.02, 1.0, 300.0] {

@@ -7,7 +7,7 @@ use cudarc::cublas::{CudaBlas, Gemm};
 use cudarc::driver::DeviceRepr;
 use half::{bf16, f16};
 use p03_gpu_kernel::blas::Blas;
-use p03_gpu_kernel::timing::{reps_for, time_events};
+use p03_gpu_kernel::timing::time_auto;
 use p03_gpu_kernel::{Gpu, GpuError};
 use serde::Serialize;
 
@@ -120,18 +120,23 @@ where
     let b = st.clone_htod(&fill(s.k * s.n, 2))?;
     let mut c = st.alloc_zeros::<T>(s.m * s.n)?;
     let (one, zero) = (from_f32(1.0), from_f32(0.0));
-    let mut run = || blas.gemm(&a, &b, &mut c, s.m, s.n, s.k, one, zero);
-    let probe = time_events(gpu, 2, 1, &mut run)?;
-    let reps = reps_for(probe[0], budget_ms, 5, 50);
-    time_events(gpu, 1, reps, &mut run)
+    time_auto(gpu, budget_ms, || {
+        blas.gemm(&a, &b, &mut c, s.m, s.n, s.k, one, zero)
+    })
 }
 
-/// Every precision at every shape.
-pub fn sweep(gpu: &Gpu, shapes: &[Shape], budget_ms: f64) -> Result<Vec<GemmPoint>, GpuError> {
+/// Every precision of `precisions` at every shape, about `budget_ms` of
+/// device time each.
+pub fn sweep(
+    gpu: &Gpu,
+    shapes: &[Shape],
+    precisions: &[Precision],
+    budget_ms: f64,
+) -> Result<Vec<GemmPoint>, GpuError> {
     let blas = Blas::new(gpu)?;
     let mut out = Vec::new();
     for &s in shapes {
-        for p in Precision::ALL {
+        for &p in precisions {
             let ms = match p {
                 Precision::F32 => time_gemm(gpu, &blas, s, |v| v, budget_ms)?,
                 Precision::F16 => time_gemm(gpu, &blas, s, f16::from_f32, budget_ms)?,

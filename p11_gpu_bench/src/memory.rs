@@ -11,7 +11,7 @@ use std::collections::HashMap;
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 use p03_gpu_kernel::kernels::BLOCK_1D;
-use p03_gpu_kernel::timing::{time_events, time_host};
+use p03_gpu_kernel::timing::{time_auto, time_host};
 use p03_gpu_kernel::{Gpu, GpuError};
 use serde::Serialize;
 
@@ -161,9 +161,10 @@ impl<'g> Stream<'g> {
         Ok(())
     }
 
-    /// Every kernel at every size: bytes moved / event time. Fresh arrays
-    /// per size (allocation is outside the timing).
-    pub fn sweep(&self, sizes: &[usize], reps: usize) -> Result<Vec<BandwidthPoint>, GpuError> {
+    /// Every kernel at every size: bytes moved / event time, about
+    /// `budget_ms` of device time each. Fresh arrays per size (allocation
+    /// is outside the timing).
+    pub fn sweep(&self, sizes: &[usize], budget_ms: f64) -> Result<Vec<BandwidthPoint>, GpuError> {
         let mut out = Vec::new();
         for &bytes in sizes {
             let n = bytes / 4;
@@ -173,7 +174,7 @@ impl<'g> Stream<'g> {
             let mut partial = self.gpu.zeros(self.read_threads(n / 4))?;
             for kernel in Kernel::ALL {
                 let passes = passes_for(kernel, bytes);
-                let ms = time_events(self.gpu, 2, reps, || {
+                let ms = time_auto(self.gpu, budget_ms, || {
                     self.launch(kernel, &mut a, &mut b, &c, &mut partial, passes)
                 })?;
                 let moved = (kernel.arrays() * bytes) as f64 * f64::from(passes);

@@ -6,7 +6,8 @@
 use std::path::PathBuf;
 
 use p03_gpu_kernel::bench::launch_latency;
-use p03_gpu_kernel::timing::{time_events, time_host};
+use p03_gpu_kernel::blas::Blas;
+use p03_gpu_kernel::timing::{time_auto, time_host, warm_clocks};
 use p03_gpu_kernel::{Gpu, Matmul};
 
 use crate::gemm::{self, Precision, Shape};
@@ -41,12 +42,12 @@ fn median_s(ms: &[f64]) -> f64 {
 
 /// Project 03's kernels at one size each, as roofline points (FLOPs and the
 /// minimum bytes: what each must read and write once).
-fn p03_points(gpu: &Gpu, reps: usize) -> anyhow::Result<Vec<Point>> {
+fn p03_points(gpu: &Gpu, budget_ms: f64) -> anyhow::Result<Vec<Point>> {
     let mut pts = Vec::new();
     let n = 1usize << 26;
     let (a, b) = (gpu.upload(&random(n, 1))?, gpu.upload(&random(n, 2))?);
     let mut c = gpu.zeros(n)?;
-    let t = median_s(&time_events(gpu, 2, reps, || {
+    let t = median_s(&time_auto(gpu, budget_ms, || {
         gpu.vector_add(&a, &b, &mut c, true)
     })?);
     pts.push(Point {
@@ -59,7 +60,7 @@ fn p03_points(gpu: &Gpu, reps: usize) -> anyhow::Result<Vec<Point>> {
     let w = gpu.upload(&random(width, 4))?;
     let mut y = gpu.zeros(rows * width)?;
     let elems = (rows * width) as f64;
-    let t = median_s(&time_events(gpu, 2, reps, || {
+    let t = median_s(&time_auto(gpu, budget_ms, || {
         gpu.softmax_rows(&x, &mut y, rows, width)
     })?);
     // max, subtract, exp, add, multiply: 5 per element over 8 bytes.
@@ -68,7 +69,7 @@ fn p03_points(gpu: &Gpu, reps: usize) -> anyhow::Result<Vec<Point>> {
         intensity: 5.0 / 8.0,
         flops: 5.0 * elems / t,
     });
-    let t = median_s(&time_events(gpu, 2, reps, || {
+    let t = median_s(&time_auto(gpu, budget_ms, || {
         gpu.rmsnorm_rows(&x, &w, &mut y, rows, width, 1e-5)
     })?);
     // square-and-add, two multiplies: 4 per element over 8 bytes.
@@ -85,9 +86,7 @@ fn p03_points(gpu: &Gpu, reps: usize) -> anyhow::Result<Vec<Point>> {
     );
     let mut c = gpu.zeros(s * s)?;
     for kind in Matmul::ALL {
-        let ms = time_events(gpu, 1, reps.min(10), || {
-            gpu.matmul(kind, &a, &b, &mut c, s, s, s)
-        })?;
+        let ms = time_auto(gpu, budget_ms, || gpu.matmul(kind, &a, &b, &mut c, s, s, s))?;
         pts.push(Point {
             name: format!("p03 matmul {} 4096", kind.label()),
             intensity: sh.intensity(Precision::F32),
@@ -118,13 +117,13 @@ fn spreads(gpu: &Gpu, stream: &Stream, runs: usize, quick: bool) -> anyhow::Resu
     let mut pinned = unsafe { gpu.context().alloc_pinned_with_flags::<f32>(pinned_n, 0) }?;
     pinned.as_mut_slice()?.fill(1.0);
     for _ in 0..runs {
-        let ms = time_events(gpu, 2, 20, || {
+        let ms = time_auto(gpu, 50.0, || {
             stream.launch(Kernel::Copy, &mut a, &mut b, &c, &mut partial, passes)
         })?;
         copy.push(2.0 * bytes as f64 * f64::from(passes) / median_s(&ms));
-        let g = gemm::sweep(gpu, &shape, 100.0)?;
+        let g = gemm::sweep(gpu, &shape, &[Precision::F32, Precision::Bf16], 100.0)?;
         sgemm.push(g[0].median_flops);
-        bf.push(g[2].median_flops);
+        bf.push(g[1].median_flops);
         let (_, synced) = launch_latency(gpu, 100, 5)?;
         launch.push(synced.median);
         let s = gpu.stream().clone();
@@ -146,7 +145,19 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<Report> {
     let info = gpu.info().clone();
     println!("device: {}", info.describe());
     let q = args.quick;
-    let reps = if q { 5 } else { 20 };
+    // Device time per measured point (time_auto batches short work).
+    let budget_ms = if q { 30.0 } else { 150.0 };
+    // Clocks up first (an idle H200 sits at 345 MHz): SGEMM 4096 for half a
+    // second before anything is timed.
+    {
+        let blas = Blas::new(&gpu)?;
+        let n = 4096;
+        let a = gpu.zeros(n * n)?;
+        let mut c = gpu.zeros(n * n)?;
+        warm_clocks(&gpu, if q { 0.2 } else { 0.5 }, || {
+            blas.sgemm(&a, &a, &mut c, (n, n, n))
+        })?;
+    }
 
     let (b2b, synced) = launch_latency(&gpu, 1000, if q { 3 } else { 10 })?;
     println!(
@@ -156,7 +167,10 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<Report> {
     );
 
     let stream = Stream::load(&gpu)?;
-    let hbm = stream.sweep(&memory::sizes(if q { 256 << 20 } else { 2 << 30 }), reps)?;
+    let hbm = stream.sweep(
+        &memory::sizes(if q { 256 << 20 } else { 2 << 30 }),
+        budget_ms,
+    )?;
     for p in hbm.iter().filter(|p| p.kernel == Kernel::Copy) {
         println!(
             "copy {:>10} B/array: {:>7.0} GB/s",
@@ -177,7 +191,7 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<Report> {
     };
     let (sq, sk) = gemm::shapes(squares, 4096, 4096);
     let all: Vec<Shape> = sq.iter().chain(&sk).copied().collect();
-    let gemm = gemm::sweep(&gpu, &all, if q { 50.0 } else { 300.0 })?;
+    let gemm = gemm::sweep(&gpu, &all, &Precision::ALL, budget_ms)?;
     for g in &gemm {
         println!(
             "{} {}x{}x{}: {:.1} TFLOP/s, {:.0} GB/s",
@@ -189,7 +203,7 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<Report> {
             g.median_bps / 1e9
         );
     }
-    let kernels = p03_points(&gpu, reps)?;
+    let kernels = p03_points(&gpu, budget_ms)?;
     let spread = spreads(&gpu, &stream, args.runs, q)?;
 
     // ---- the roofline from this run's ceilings -----------------------------

@@ -40,6 +40,9 @@ inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c,
 #define __forceinline__ inline
 #define __launch_bounds__(n)
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+// Cache-hinted loads are plain loads on a CPU.
+#define __ldcg(p) (*(p))
 
 inline float __int_as_float(int i) {
     float f;
