@@ -129,6 +129,15 @@ pub fn launch_latency(
     Ok((secs(&each), secs(&synced)))
 }
 
+/// Bring the clocks up before anything is timed (an idle H200 sits at 345
+/// MHz): SGEMM 4096 for `seconds`.
+pub fn warm_up(gpu: &Gpu, blas: &Blas, seconds: f64) -> Result<(), GpuError> {
+    let n = 4096;
+    let a = gpu.zeros(n * n)?;
+    let mut c = gpu.zeros(n * n)?;
+    warm_clocks(gpu, seconds, || blas.sgemm(&a, &a, &mut c, (n, n, n)))
+}
+
 /// Run the whole bench.
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let gpu = Gpu::new(0)?;
@@ -141,16 +150,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let q = args.quick;
     let reps = if q { 5 } else { 30 };
     let mut rows = Vec::new();
-    // Clocks up first (an idle H200 sits at 345 MHz): half a second of
-    // SGEMM 4096 before anything is timed.
-    {
-        let n = 4096;
-        let a = gpu.zeros(n * n)?;
-        let mut c = gpu.zeros(n * n)?;
-        warm_clocks(&gpu, if q { 0.2 } else { 0.5 }, || {
-            blas.sgemm(&a, &a, &mut c, (n, n, n))
-        })?;
-    }
+    warm_up(&gpu, &blas, if q { 0.2 } else { 0.5 })?;
 
     // ---- ceilings ---------------------------------------------------------
     let copy_bytes = 1usize << 30;

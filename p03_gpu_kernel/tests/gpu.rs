@@ -141,63 +141,65 @@ fn rmsnorm_rows_match_project_04s_formula() {
     }
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn half_precision_cublas_agrees_with_f32_within_half_rounding() {
-    use half::{bf16, f16};
+/// cuBLAS in a 16-bit type `T` against the f64 reference of the inputs
+/// rounded to `T`: f32 accumulation, then one rounding of the output to `T`
+/// (`out_bits` of mantissa: 2^-out_bits relative).
+fn check_half_gemm<T>(
+    to: fn(f32) -> T,
+    back: fn(T) -> f32,
+    one: T,
+    zero: T,
+    out_bits: i32,
+    name: &str,
+) where
+    T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Default + Unpin,
+    cudarc::cublas::CudaBlas: cudarc::cublas::Gemm<T>,
+{
     let g = gpu();
     let blas = Blas::new(&g).unwrap();
     let (m, n, k) = (64, 96, 128);
     let (ha, hb) = (random(m * k, 8, 1.0), random(k * n, 9, 1.0));
-    // The reference of the rounded inputs: only the output rounding differs.
-    let round16: Vec<f32> = ha.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
-    let roundb16: Vec<f32> = hb.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
-    let (want, scale) = reference_matmul(&round16, &roundb16, m, n, k);
-    let a = g
-        .stream()
-        .clone_htod(&ha.iter().map(|&v| f16::from_f32(v)).collect::<Vec<_>>())
-        .unwrap();
-    let b = g
-        .stream()
-        .clone_htod(&hb.iter().map(|&v| f16::from_f32(v)).collect::<Vec<_>>())
-        .unwrap();
-    let mut c = g.stream().alloc_zeros::<f16>(m * n).unwrap();
-    blas.gemm(&a, &b, &mut c, m, n, k, f16::ONE, f16::ZERO)
-        .unwrap();
+    let rounded = |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| back(to(x))).collect() };
+    let (want, scale) = reference_matmul(&rounded(&ha), &rounded(&hb), m, n, k);
+    let up = |v: &[f32]| {
+        g.stream()
+            .clone_htod(&v.iter().map(|&x| to(x)).collect::<Vec<T>>())
+            .unwrap()
+    };
+    let (a, b) = (up(&ha), up(&hb));
+    let mut c = g.stream().alloc_zeros::<T>(m * n).unwrap();
+    blas.gemm(&a, &b, &mut c, m, n, k, one, zero).unwrap();
     let got: Vec<f32> = g
         .stream()
         .clone_dtoh(&c)
         .unwrap()
-        .iter()
-        .map(|v| v.to_f32())
+        .into_iter()
+        .map(back)
         .collect();
-    // f32 accumulation, then one rounding to f16 (2^-11 relative).
-    let bound = |i: usize| error_bound(k, scale[i]) + f64::from(want[i].abs()) * 2f64.powi(-11);
-    assert!(first_outside(&got, &want, bound).is_none(), "f16 GEMM");
+    let bound =
+        |i: usize| error_bound(k, scale[i]) + f64::from(want[i].abs()) * 2f64.powi(-out_bits);
+    if let Some((i, gv, wv, b)) = first_outside(&got, &want, bound) {
+        panic!(
+            "{name} GEMM: C[{}, {}] = {gv}, reference {wv}, bound {b:e}",
+            i / n,
+            i % n
+        );
+    }
+}
 
-    let ra: Vec<f32> = ha.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
-    let rb: Vec<f32> = hb.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
-    let (want, scale) = reference_matmul(&ra, &rb, m, n, k);
-    let a = g
-        .stream()
-        .clone_htod(&ha.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>())
-        .unwrap();
-    let b = g
-        .stream()
-        .clone_htod(&hb.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>())
-        .unwrap();
-    let mut c = g.stream().alloc_zeros::<bf16>(m * n).unwrap();
-    blas.gemm(&a, &b, &mut c, m, n, k, bf16::ONE, bf16::ZERO)
-        .unwrap();
-    let got: Vec<f32> = g
-        .stream()
-        .clone_dtoh(&c)
-        .unwrap()
-        .iter()
-        .map(|v| v.to_f32())
-        .collect();
-    let bound = |i: usize| error_bound(k, scale[i]) + f64::from(want[i].abs()) * 2f64.powi(-8);
-    assert!(first_outside(&got, &want, bound).is_none(), "bf16 GEMM");
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn half_precision_cublas_agrees_with_f32_within_half_rounding() {
+    use half::{bf16, f16};
+    check_half_gemm(f16::from_f32, f16::to_f32, f16::ONE, f16::ZERO, 11, "f16");
+    check_half_gemm(
+        bf16::from_f32,
+        bf16::to_f32,
+        bf16::ONE,
+        bf16::ZERO,
+        8,
+        "bf16",
+    );
 }
 
 #[test]

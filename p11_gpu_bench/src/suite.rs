@@ -5,9 +5,9 @@
 
 use std::path::PathBuf;
 
-use p03_gpu_kernel::bench::launch_latency;
+use p03_gpu_kernel::bench::{launch_latency, warm_up};
 use p03_gpu_kernel::blas::Blas;
-use p03_gpu_kernel::timing::{time_auto, time_host, warm_clocks};
+use p03_gpu_kernel::timing::{time_auto, time_host};
 use p03_gpu_kernel::{Gpu, Matmul};
 
 use crate::gemm::{self, Precision, Shape};
@@ -147,17 +147,8 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<Report> {
     let q = args.quick;
     // Device time per measured point (time_auto batches short work).
     let budget_ms = if q { 30.0 } else { 150.0 };
-    // Clocks up first (an idle H200 sits at 345 MHz): SGEMM 4096 for half a
-    // second before anything is timed.
-    {
-        let blas = Blas::new(&gpu)?;
-        let n = 4096;
-        let a = gpu.zeros(n * n)?;
-        let mut c = gpu.zeros(n * n)?;
-        warm_clocks(&gpu, if q { 0.2 } else { 0.5 }, || {
-            blas.sgemm(&a, &a, &mut c, (n, n, n))
-        })?;
-    }
+    // Clocks up first (an idle H200 sits at 345 MHz).
+    warm_up(&gpu, &Blas::new(&gpu)?, if q { 0.2 } else { 0.5 })?;
 
     let (b2b, synced) = launch_latency(&gpu, 1000, if q { 3 } else { 10 })?;
     println!(
