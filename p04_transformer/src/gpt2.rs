@@ -6,10 +6,10 @@
 use std::path::Path;
 
 use common::Tensor;
-use p02_matmul_bench::{sgemm, GemmOpts, MatMut, MatRef};
 
 use crate::error::ModelError;
 use crate::llama::{causal_attention, check_ids};
+use crate::proj::Proj;
 use crate::weights::{HfDir, Source};
 
 #[derive(Clone, Debug, PartialEq)]
@@ -23,35 +23,49 @@ pub struct Gpt2Config {
     pub layer_norm_eps: f32,
 }
 
-/// A Conv1D layer: y = x W + b with W stored (in, out).
+/// A Conv1D layer: y = x W + b. The checkpoint stores W as (in, out); it is
+/// held as a [`Proj`] of Wᵀ (out, in), so any weight format (f32 packed
+/// panels by default, Project 10's int8 per channel) can stand behind it.
 #[derive(Debug)]
 pub struct Conv1D {
-    /// (in, out)
-    pub w: Vec<f32>,
+    pub w: Proj,
     /// (out)
     pub b: Vec<f32>,
-    pub n_in: usize,
-    pub n_out: usize,
 }
 
 impl Conv1D {
     /// y (rows, out) = x (rows, in) W + b.
     pub fn forward(&self, x: &[f32], rows: usize, threads: usize) -> Result<Vec<f32>, ModelError> {
-        let mut y = vec![0.0f32; rows * self.n_out];
-        let a = MatRef::row_major(x, rows, self.n_in)?;
-        let b = MatRef::row_major(&self.w, self.n_in, self.n_out)?;
-        sgemm(
-            a,
-            b,
-            &mut MatMut::row_major(&mut y, rows, self.n_out)?,
-            GemmOpts {
-                bias: Some(&self.b),
-                threads,
-                ..GemmOpts::default()
-            },
-        )?;
+        let mut y = self.w.apply(x, rows, threads)?;
+        let n = self.w.out_features();
+        for row in y.chunks_exact_mut(n) {
+            row.iter_mut().zip(&self.b).for_each(|(y, b)| *y += b);
+        }
         Ok(y)
     }
+
+    pub fn n_in(&self) -> usize {
+        self.w.in_features()
+    }
+
+    pub fn n_out(&self) -> usize {
+        self.w.out_features()
+    }
+}
+
+/// Builds each projection from its f32 weights: `(name, W (out, in), out,
+/// in)` → a [`Proj`] in the format the caller wants.
+pub type MakeProj<'a> = dyn Fn(&str, &[f32], usize, usize) -> Result<Proj, ModelError> + 'a;
+
+/// W (in, out) as stored by Conv1D → Wᵀ (out, in).
+pub fn transpose_in_out(w: &[f32], n_in: usize, n_out: usize) -> Vec<f32> {
+    let mut t = vec![0.0f32; w.len()];
+    for i in 0..n_in {
+        for o in 0..n_out {
+            t[o * n_in + i] = w[i * n_out + o];
+        }
+    }
+    t
 }
 
 #[derive(Debug)]
@@ -82,7 +96,14 @@ pub struct Gpt2 {
 }
 
 impl Gpt2 {
+    /// Every projection as f32 packed panels.
     pub fn from_hf_dir(dir: &Path) -> Result<Gpt2, ModelError> {
+        Self::from_hf_dir_with(dir, &|_, w, out, inp| Proj::new(w, out, inp))
+    }
+
+    /// Every projection (c_attn, c_proj, c_fc, mlp c_proj of each block)
+    /// built by `make` from its f32 weights: the weight-format seam.
+    pub fn from_hf_dir_with(dir: &Path, make: &MakeProj<'_>) -> Result<Gpt2, ModelError> {
         let hf = HfDir::open(dir)?;
         let cfg = Gpt2Config {
             vocab_size: hf.usize("vocab_size")?,
@@ -134,11 +155,10 @@ impl Gpt2 {
         let g = |n: &str, shape: &[usize]| src.get(&format!("{prefix}{n}"), shape);
         let d = cfg.n_embd;
         let conv = |n: &str, n_in: usize, n_out: usize| -> Result<Conv1D, ModelError> {
+            let w = g(&format!("{n}.weight"), &[n_in, n_out])?;
             Ok(Conv1D {
-                w: g(&format!("{n}.weight"), &[n_in, n_out])?,
+                w: make(n, &transpose_in_out(&w, n_in, n_out), n_out, n_in)?,
                 b: g(&format!("{n}.bias"), &[n_out])?,
-                n_in,
-                n_out,
             })
         };
         let ln = |n: &str| -> Result<(Vec<f32>, Vec<f32>), ModelError> {

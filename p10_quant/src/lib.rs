@@ -19,6 +19,7 @@ mod avx2;
 pub mod bench;
 pub mod dot;
 pub mod formats;
+pub mod int8_gpt2;
 pub mod int8_mlp;
 pub mod int_path;
 pub mod isa;

@@ -35,7 +35,7 @@ enum Cmd {
     /// Perplexity, KL divergence and top-1 agreement over a text: 8-bit activations and weight formats against f32, beside llama.cpp.
     Perplexity(p10_quant::study::PerplexityArgs),
     #[cfg(feature = "bench")]
-    /// int8 per output channel for Project 01's MNIST MLP: accuracy and agreement with f32 on the 1,000 held-out digits.
+    /// int8 per output channel for our own f32 models: Project 01's MNIST MLP (accuracy and agreement with f32 on the 1,000 held-out digits) and a GPT-2 layout model (agreement, KL).
     Int8(Int8Args),
     /// The kernel paths this CPU has, and the one chosen.
     Isa,
@@ -70,6 +70,10 @@ struct Int8Args {
     /// Labelled digits: safetensors with `images` and `labels`.
     #[arg(long, default_value = "p01_engine/fixtures/mnist_test.safetensors")]
     data: std::path::PathBuf,
+    /// A GPT-2 layout model directory with an `io.safetensors` holding `ids`
+    /// (Project 04's fixture by default): int8 per channel vs f32 on them.
+    #[arg(long, default_value = "p04_transformer/fixtures/tiny_gpt2")]
+    gpt2: std::path::PathBuf,
     #[arg(long)]
     no_record: bool,
 }
@@ -162,8 +166,51 @@ fn int8(a: &Int8Args) -> Result<()> {
             r.max_diff[i]
         );
     }
+    // GPT-2 layout: every Conv1D projection int8 per channel, 8-bit
+    // activations (the integer path), against the same model in f32.
+    let dir = root.join(&a.gpt2);
+    let io = common::st::load(&dir.join("io.safetensors"))?;
+    let (shape, ids) = io.ints("ids")?;
+    anyhow::ensure!(
+        shape.len() == 2,
+        "{}: ids must be (batch, seq)",
+        dir.display()
+    );
+    let ids = ids
+        .iter()
+        .map(|&i| u32::try_from(i))
+        .collect::<Result<Vec<u32>, _>>()?;
+    let g = p10_quant::int8_gpt2::compare(&dir, &ids, shape[0], shape[1], dot)?;
+    println!(
+        "{}: int8 per channel (W8A8) vs f32 on {} positions: argmax equal at {}, max |logit diff| {:.4}, mean KL {:.2e} nats; projection bytes {} -> {}",
+        a.gpt2.display(),
+        g.positions,
+        g.argmax_agree,
+        g.max_abs_logit_diff,
+        g.mean_kl,
+        g.weight_bytes[0],
+        g.weight_bytes[1]
+    );
     if !a.no_record {
+        let gpt2 = a.gpt2.display();
         let rows = vec![
+            Row::new(
+                format!("p10 int8 GPT-2 layout ({gpt2}) argmax = f32, W8A8"),
+                100.0 * g.argmax_agree as f64 / g.positions as f64,
+                "%",
+            )
+            .predicted("all but near-ties"),
+            Row::new(
+                format!("p10 int8 GPT-2 layout ({gpt2}) mean KL vs f32, W8A8"),
+                g.mean_kl,
+                "nats",
+            )
+            .predicted("~1e-4"),
+            Row::new(
+                format!("p10 int8 GPT-2 layout ({gpt2}) max logit diff, W8A8"),
+                g.max_abs_logit_diff as f64,
+                "logit",
+            ),
             Row::new("p10 int8 MNIST accuracy f32", pct(r.correct[0]), "%"),
             Row::new("p10 int8 MNIST accuracy W8", pct(r.correct[1]), "%")
                 .predicted("within 0.5 points of f32"),
