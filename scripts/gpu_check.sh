@@ -14,6 +14,7 @@
 #   2. every GPU test (`--ignored`) of p03 and p11, and their unit tests
 #   3. `p03_gpu_kernel bench`, then `p11_gpu_bench run`: rows, JSON, plots
 #   4. PyTorch on the same device as a second reference for the matmul peers
+#   5. compute-sanitizer memcheck over p03's GPU tests, if time is left
 # The device tool returns at most 8 files from $OUT, so what comes back is:
 # log.txt, rows.md (numbers.md rows, stamped with the commit gpu-bin was
 # built at), torch.json, p11/suite.json, and all.tgz (every step's output,
@@ -129,6 +130,18 @@ step p03-bench 120 "$BIN/p03_gpu_kernel" bench $Q --rows "$OUT/rows.md" --commit
 step p11-run 150 "$BIN/p11_gpu_bench" run $Q --out "$OUT/p11" --rows "$OUT/rows.md" --commit "$COMMIT"
 # ---- 4. PyTorch as a second reference ---------------------------------------
 step torch 90 python3 scripts/gpu_torch_check.py "$OUT/torch.json"
+
+# ---- 5. compute-sanitizer memcheck over the kernels' tests, if time is left
+# (it works on the Firecracker machines, not on gVisor: KINDS.md). Not
+# counted as a failure: a refusal there says nothing about our kernels; its
+# output is in all.tgz (tests/memcheck.txt) either way.
+if command -v compute-sanitizer >/dev/null 2>&1 && [ $((DEADLINE - SECONDS)) -gt 60 ]; then
+  before=$FAILED
+  step memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    "$BIN/tests/p03_gpu_kernel-gpu" --ignored --test-threads=1 \
+    --skip events_time_the_kernel --skip half_precision
+  FAILED=$before
+fi
 
 cat "$OUT/tests/p03-bench.txt" "$OUT/tests/p11-run.txt" 2>/dev/null | grep -v '^\s*$' | tail -n 80 >>"$OUT/log.txt"
 
