@@ -215,7 +215,12 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let bytes_nat = bytes_per_token(ne) as f64;
     let bytes_f32 = bytes_per_token(fe) as f64;
     let (dec_f_runs, step_f) = p05_kv_cache::bench::decode_profile(fe, 3)?;
+    // The ceiling the native decode is read against, measured right before
+    // and right after it (this VM's bandwidth moves between phases; one
+    // measurement elsewhere in the run can land in a slow one).
+    let bw_before = p02_read_bandwidth(threads);
     let (dec_n_runs, step_n) = p05_kv_cache::bench::decode_profile(ne, 3)?;
+    let bw_after = p02_read_bandwidth(threads);
     let med = |v: &[f64]| common::stats::summarize(v).median;
     let (dec_f, dec_n) = (med(&dec_f_runs), med(&dec_n_runs));
     // Prefill in interleaved pairs: one prefill cell moves 10–30% between
@@ -367,12 +372,26 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         }
     }
 
-    // 4. GEMV per shape and format, against the read bandwidth.
-    let bw = p02_read_bandwidth(threads);
+    // 4. GEMV per shape and format, against the read bandwidth: the
+    // highest of three measurements in this run (before and after the
+    // native decode, and now), so a slow phase cannot flatter the ratio.
+    let bw_now = p02_read_bandwidth(threads);
+    let bw = bw_before.max(bw_after).max(bw_now);
     let limit = bw * 1e9 / bytes_nat;
-    println!("4. read bandwidth {bw:.1} GB/s ({threads} threads): a native token ({:.1} MB) at most {limit:.0} tok/s; decode reaches {:.0}%", bytes_nat / 1e6, dec_n / limit * 100.0);
+    println!("4. read bandwidth {bw:.1} GB/s ({threads} threads; best of {bw_before:.1} before the native decode, {bw_after:.1} after, {bw_now:.1} now): a native token ({:.1} MB) at most {limit:.0} tok/s; decode reaches {:.0}%", bytes_nat / 1e6, dec_n / limit * 100.0);
+    for (when, v) in [
+        ("before the native decode", bw_before),
+        ("after the native decode", bw_after),
+        ("at the GEMV phase", bw_now),
+    ] {
+        rows.push(Row::new(
+            format!("p10 read bandwidth 256 MB {threads}t, {when}"),
+            v,
+            "GB/s",
+        ));
+    }
     rows.push(Row::new(
-        format!("p10 read bandwidth 256 MB {threads}t"),
+        format!("p10 read bandwidth 256 MB {threads}t, the highest (the limit's denominator)"),
         bw,
         "GB/s",
     ));
