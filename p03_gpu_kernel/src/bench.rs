@@ -11,8 +11,8 @@ use std::path::PathBuf;
 
 use common::numbers::{Recorder, Row};
 use common::plot::{line_chart, Labels, Scale, Series};
-use common::rng::Rng;
 use common::stats::{summarize, Summary};
+use common::testdata::uniform;
 use cudarc::driver::CudaSlice;
 
 use crate::blas::Blas;
@@ -43,11 +43,6 @@ fn secs(ms: &[f64]) -> Summary {
     summarize(&s)
 }
 
-fn random(n: usize, seed: u64) -> Vec<f32> {
-    let mut rng = Rng::new(seed);
-    (0..n).map(|_| rng.next_f32() * 2.0 - 1.0).collect()
-}
-
 /// The measured ceilings the kernels are read against.
 #[derive(Clone, Copy, Debug)]
 pub struct Ceilings {
@@ -57,12 +52,11 @@ pub struct Ceilings {
 
 /// Device-to-device copy of `bytes`: cuMemcpyDtoD timed with events. Counts
 /// read + write (2 x bytes), as STREAM's copy does.
-pub fn copy_bandwidth(gpu: &Gpu, bytes: usize, reps: usize) -> Result<Summary, GpuError> {
+pub fn copy_bandwidth(gpu: &Gpu, bytes: usize, budget_ms: f64) -> Result<Summary, GpuError> {
     let n = bytes / 4;
     let src = gpu.zeros(n)?;
     let mut dst = gpu.zeros(n)?;
-    let budget = reps as f64 * 0.5; // about 0.5 ms per repetition at 4 TB/s
-    let ms = time_auto(gpu, budget.max(5.0), || {
+    let ms = time_auto(gpu, budget_ms, || {
         gpu.stream().memcpy_dtod(&src, &mut dst)?;
         Ok(())
     })?;
@@ -148,13 +142,14 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         println!("  FP32 FMA peak from the clock: {:.1} TFLOP/s", p / 1e12);
     }
     let q = args.quick;
-    let reps = if q { 5 } else { 30 };
+    // Device time per measured point (time_auto batches short work).
+    let budget_ms = if q { 50.0 } else { 300.0 };
     let mut rows = Vec::new();
     warm_up(&gpu, &blas, if q { 0.2 } else { 0.5 })?;
 
     // ---- ceilings ---------------------------------------------------------
     let copy_bytes = 1usize << 30;
-    let copy = copy_bandwidth(&gpu, copy_bytes, reps)?;
+    let copy = copy_bandwidth(&gpu, copy_bytes, budget_ms)?;
     let ceil = Ceilings {
         copy_bps: 2.0 * copy_bytes as f64 / copy.median,
     };
@@ -191,10 +186,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         "~8e-6",
     ));
 
-    let budget_ms = if q { 50.0 } else { 300.0 };
     // ---- vector add against copy bandwidth --------------------------------
     let n = 1usize << 28; // 1 GiB per array
-    let (a, b) = (gpu.upload(&random(n, 1))?, gpu.upload(&random(n, 2))?);
+    let (a, b) = (gpu.upload(&uniform(n, 1))?, gpu.upload(&uniform(n, 2))?);
     let mut c = gpu.zeros(n)?;
     for (vec4, name, pred) in [
         (false, "vector add (grid-stride)", "~0.85 of copy"),
@@ -228,7 +222,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     drop((a, b, c));
     // End to end: copies in, kernel, copy out, as a caller of p01's add sees it.
     let n = 1usize << 24;
-    let (ha, hb) = (random(n, 3), random(n, 4));
+    let (ha, hb) = (uniform(n, 3), uniform(n, 4));
     let mut hc = vec![0.0f32; n];
     let e2e = secs(&time_host(&gpu, 1, if q { 3 } else { 10 }, || {
         let a = gpu.upload(&ha)?;
@@ -249,8 +243,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     // ---- softmax and RMSNorm: memory-bound rows ---------------------------
     for (rows_n, width) in [(4096usize, 4096usize), (64, 49_152)] {
         let total = rows_n * width;
-        let x = gpu.upload(&random(total, 5))?;
-        let w = gpu.upload(&random(width, 6))?;
+        let x = gpu.upload(&uniform(total, 5))?;
+        let w = gpu.upload(&uniform(width, 6))?;
         let mut y = gpu.zeros(total)?;
         let bytes = 8.0 * total as f64; // read x once, write y once (the ideal)
         let s = secs(&time_auto(&gpu, budget_ms, || {
@@ -305,8 +299,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     for &size in &args.sizes {
         let (m, n, k) = (size, size, size);
         let flops = 2.0 * (m * n * k) as f64;
-        let a = gpu.upload(&random(m * k, 7))?;
-        let b = gpu.upload(&random(k * n, 8))?;
+        let a = gpu.upload(&uniform(m * k, 7))?;
+        let b = gpu.upload(&uniform(k * n, 8))?;
         let mut c = gpu.zeros(m * n)?;
         let peer = time_matmul(&gpu, q, |c| blas.sgemm(&a, &b, c, (m, n, k)), &mut c)?;
         let peer_fps = flops / peer.median;
@@ -359,7 +353,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     // End to end at 4096: upload A and B, the best kernel, download C.
     if args.sizes.contains(&4096) {
         let s = 4096usize;
-        let (ha, hb) = (random(s * s, 9), random(s * s, 10));
+        let (ha, hb) = (uniform(s * s, 9), uniform(s * s, 10));
         let e2e = secs(&time_host(&gpu, 1, if q { 2 } else { 5 }, || {
             let a = gpu.upload(&ha)?;
             let b = gpu.upload(&hb)?;

@@ -5,7 +5,6 @@
 //! Shapes include sizes that are not multiples of any tile or of 4, so the
 //! guarded loads, the float4 fallbacks and the tails are all exercised.
 
-use common::rng::Rng;
 use p02_matmul_bench::{MatMut, MatRef};
 use p03_gpu_kernel::blas::Blas;
 use p03_gpu_kernel::reference::{
@@ -18,10 +17,11 @@ fn gpu() -> Gpu {
     Gpu::new(0).unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// `n` values uniform in [-scale, scale), the same for the same `seed`.
 fn random(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut rng = Rng::new(seed);
-    (0..n)
-        .map(|_| (rng.next_f32() * 2.0 - 1.0) * scale)
+    common::testdata::uniform(n, seed)
+        .into_iter()
+        .map(|v| v * scale)
         .collect()
 }
 

@@ -17,24 +17,12 @@ use p04_transformer::{Gpt2, ModelError, Proj};
 use crate::dot::Dot;
 use crate::formats::QK;
 use crate::matrix::{Format, QuantMatrix};
+use crate::perplexity::{kl, log_softmax};
 
 /// `dir` (a Hugging Face GPT-2 directory) with int8-per-channel projections.
 pub fn load_int8(dir: &Path, dot: Dot) -> Result<Gpt2, ModelError> {
     Gpt2::from_hf_dir_with(dir, &|name, w, out, inp| {
-        check_width(name, out, inp).map_err(|e| match e {
-            ModelError::Shape {
-                name,
-                expected,
-                found,
-                ..
-            } => ModelError::Shape {
-                path: dir.to_path_buf(),
-                name,
-                expected,
-                found,
-            },
-            other => other,
-        })?;
+        check_width(dir, name, out, inp)?;
         let m = QuantMatrix::quantize(w, out, inp, Format::I8Channel, dot).map_err(|e| {
             ModelError::Weights {
                 name: format!("{}: {name}", dir.display()),
@@ -48,10 +36,10 @@ pub fn load_int8(dir: &Path, dot: Dot) -> Result<Gpt2, ModelError> {
 /// The block kernels walk K in 32-value blocks: W (out, in) needs `in` a
 /// positive multiple of 32 (GPT-2's widths, 768, 1024, ..., and the
 /// fixtures' are).
-pub fn check_width(name: &str, out: usize, inp: usize) -> Result<(), ModelError> {
+pub fn check_width(dir: &Path, name: &str, out: usize, inp: usize) -> Result<(), ModelError> {
     if inp == 0 || !inp.is_multiple_of(QK) {
         return Err(ModelError::Shape {
-            path: Default::default(),
+            path: dir.to_path_buf(),
             name: name.to_string(),
             expected: vec![out, inp.div_ceil(QK).max(1) * QK],
             found: vec![out, inp],
@@ -90,7 +78,8 @@ pub fn compare(
         lf.data().len() == batch * seq * vocab,
         "logits of the wrong size"
     );
-    let (mut agree, mut max_diff, mut kl) = (0usize, 0.0f32, 0.0f64);
+    let (mut agree, mut max_diff, mut kl_sum) = (0usize, 0.0f32, 0.0f64);
+    let (mut log_f, mut log_q) = (Vec::new(), Vec::new());
     for (a, b) in lf
         .data()
         .chunks_exact(vocab)
@@ -100,7 +89,9 @@ pub fn compare(
         for (x, y) in a.iter().zip(b) {
             max_diff = max_diff.max((x - y).abs());
         }
-        kl += kl_divergence(a, b);
+        log_softmax(a, &mut log_f);
+        log_softmax(b, &mut log_q);
+        kl_sum += kl(&log_f, &log_q);
     }
     let positions = batch * seq;
     let bytes = |m: &Gpt2| -> usize {
@@ -114,32 +105,7 @@ pub fn compare(
         positions,
         argmax_agree: agree,
         max_abs_logit_diff: max_diff,
-        mean_kl: kl / positions.max(1) as f64,
+        mean_kl: kl_sum / positions.max(1) as f64,
         weight_bytes: [bytes(&f), bytes(&q)],
     })
-}
-
-/// KL(softmax(p) ‖ softmax(q)) of two logit rows, in f64.
-pub fn kl_divergence(p: &[f32], q: &[f32]) -> f64 {
-    let log_softmax = |x: &[f32]| -> Vec<f64> {
-        let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-        let lse = x.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln() + m;
-        x.iter().map(|&v| v as f64 - lse).collect()
-    };
-    let (lp, lq) = (log_softmax(p), log_softmax(q));
-    lp.iter().zip(&lq).map(|(a, b)| a.exp() * (a - b)).sum()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn kl_is_zero_for_equal_rows_and_positive_otherwise() {
-        let p = [1.0f32, 2.0, 3.0];
-        assert!(kl_divergence(&p, &p).abs() < 1e-12);
-        // Shifting all logits changes nothing.
-        assert!(kl_divergence(&p, &[11.0, 12.0, 13.0]).abs() < 1e-12);
-        assert!(kl_divergence(&p, &[3.0, 2.0, 1.0]) > 0.1);
-    }
 }

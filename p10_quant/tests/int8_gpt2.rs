@@ -49,8 +49,9 @@ fn tiny_gpt2_in_int8_per_channel_stays_close_to_f32() {
 fn a_width_that_is_not_whole_blocks_is_refused_with_the_tensor_named() {
     // GPT-2 widths are multiples of 32; a model whose are not is an error
     // naming the tensor, not a short read.
-    assert!(p10_quant::int8_gpt2::check_width("h.0.attn.c_attn", 96, 32).is_ok());
-    let e = p10_quant::int8_gpt2::check_width("h.0.attn.c_attn", 96, 33).unwrap_err();
+    let dir = std::path::PathBuf::from("some/gpt2");
+    assert!(p10_quant::int8_gpt2::check_width(&dir, "h.0.attn.c_attn", 96, 32).is_ok());
+    let e = p10_quant::int8_gpt2::check_width(&dir, "h.0.attn.c_attn", 96, 33).unwrap_err();
     assert!(e.to_string().contains("h.0.attn.c_attn"), "{e}");
-    assert!(p10_quant::int8_gpt2::check_width("x", 96, 0).is_err());
+    assert!(p10_quant::int8_gpt2::check_width(&dir, "x", 96, 0).is_err());
 }

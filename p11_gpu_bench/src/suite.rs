@@ -5,6 +5,7 @@
 
 use std::path::PathBuf;
 
+use common::testdata::uniform;
 use p03_gpu_kernel::bench::{launch_latency, warm_up};
 use p03_gpu_kernel::blas::Blas;
 use p03_gpu_kernel::timing::{time_auto, time_host};
@@ -31,11 +32,6 @@ pub struct SuiteArgs {
     pub command: String,
 }
 
-fn random(n: usize, seed: u64) -> Vec<f32> {
-    let mut rng = common::rng::Rng::new(seed);
-    (0..n).map(|_| rng.next_f32() * 2.0 - 1.0).collect()
-}
-
 fn median_s(ms: &[f64]) -> f64 {
     common::stats::summarize(ms).median / 1e3
 }
@@ -45,7 +41,7 @@ fn median_s(ms: &[f64]) -> f64 {
 fn p03_points(gpu: &Gpu, budget_ms: f64) -> anyhow::Result<Vec<Point>> {
     let mut pts = Vec::new();
     let n = 1usize << 26;
-    let (a, b) = (gpu.upload(&random(n, 1))?, gpu.upload(&random(n, 2))?);
+    let (a, b) = (gpu.upload(&uniform(n, 1))?, gpu.upload(&uniform(n, 2))?);
     let mut c = gpu.zeros(n)?;
     let t = median_s(&time_auto(gpu, budget_ms, || {
         gpu.vector_add(&a, &b, &mut c, true)
@@ -56,8 +52,8 @@ fn p03_points(gpu: &Gpu, budget_ms: f64) -> anyhow::Result<Vec<Point>> {
         flops: n as f64 / t,
     });
     let (rows, width) = (4096usize, 4096usize);
-    let x = gpu.upload(&random(rows * width, 3))?;
-    let w = gpu.upload(&random(width, 4))?;
+    let x = gpu.upload(&uniform(rows * width, 3))?;
+    let w = gpu.upload(&uniform(width, 4))?;
     let mut y = gpu.zeros(rows * width)?;
     let elems = (rows * width) as f64;
     let t = median_s(&time_auto(gpu, budget_ms, || {
@@ -81,8 +77,8 @@ fn p03_points(gpu: &Gpu, budget_ms: f64) -> anyhow::Result<Vec<Point>> {
     let s = 4096usize;
     let sh = Shape { m: s, n: s, k: s };
     let (a, b) = (
-        gpu.upload(&random(s * s, 5))?,
-        gpu.upload(&random(s * s, 6))?,
+        gpu.upload(&uniform(s * s, 5))?,
+        gpu.upload(&uniform(s * s, 6))?,
     );
     let mut c = gpu.zeros(s * s)?;
     for kind in Matmul::ALL {
