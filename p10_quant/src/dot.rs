@@ -1,7 +1,10 @@
 //! Dot products of a quantised weight row with a quantised activation row:
 //! integer multiply-adds inside each 32-value block, one float
 //! multiply-add per block. A scalar reference (ggml's generic code,
-//! transcribed) and an AVX2 path (`avx2.rs`), chosen at run time.
+//! transcribed), an AVX2 path (`avx2.rs`) and two AVX-512 paths
+//! (`avx512.rs`, with and without VNNI), chosen at run time. Quantising
+//! activations and expanding weights for prefill use the AVX2 code on the
+//! AVX-512 paths too.
 //!
 //! | weights | activations | per block |
 //! |---|---|---|
@@ -26,6 +29,28 @@ pub struct Dot {
     isa: Isa,
 }
 
+/// One product on `dot`'s path: each SIMD module has a function of the
+/// scalar reference's name and signature.
+macro_rules! dispatch {
+    ($dot:expr, $f:ident($($a:expr),*)) => {
+        match $dot.isa {
+            Isa::Scalar => scalar::$f($($a),*),
+            // SAFETY: a `Dot` exists only for a path whose CPU features
+            // this machine has (see `Dot::new`, `Isa::available`).
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { crate::avx2::$f($($a),*) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { crate::avx512::plain::$f($($a),*) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => unsafe { crate::avx512::vnni::$f($($a),*) },
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => scalar::$f($($a),*),
+        }
+    };
+}
+
 impl Dot {
     pub fn new(isa: Isa) -> Result<Dot, Unavailable> {
         if isa.is_available() {
@@ -46,36 +71,15 @@ impl Dot {
 
     /// Σ over blocks, of the shorter of the two rows.
     pub fn q4_1_q8_1(self, w: &[BlockQ4_1], x: &[BlockQ8_1]) -> f32 {
-        match self.isa {
-            Isa::Scalar => scalar::q4_1_q8_1(w, x),
-            // SAFETY: `Dot` exists for Avx2 only when the CPU has AVX2, FMA and F16C.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { crate::avx2::q4_1_q8_1(w, x) },
-            #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 => scalar::q4_1_q8_1(w, x),
-        }
+        dispatch!(self, q4_1_q8_1(w, x))
     }
 
     pub fn q4_0_q8_0(self, w: &[BlockQ4_0], x: &[BlockQ8_0]) -> f32 {
-        match self.isa {
-            Isa::Scalar => scalar::q4_0_q8_0(w, x),
-            // SAFETY: as above.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { crate::avx2::q4_0_q8_0(w, x) },
-            #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 => scalar::q4_0_q8_0(w, x),
-        }
+        dispatch!(self, q4_0_q8_0(w, x))
     }
 
     pub fn q8_0_q8_0(self, w: &[BlockQ8_0], x: &[BlockQ8_0]) -> f32 {
-        match self.isa {
-            Isa::Scalar => scalar::q8_0_q8_0(w, x),
-            // SAFETY: as above.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { crate::avx2::q8_0_q8_0(w, x) },
-            #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 => scalar::q8_0_q8_0(w, x),
-        }
+        dispatch!(self, q8_0_q8_0(w, x))
     }
 }
 
@@ -88,14 +92,15 @@ impl Dot {
         use crate::matrix::BlocksRef;
         let n = out.len() / crate::formats::QK;
         match (self.isa, blocks) {
-            // SAFETY: `Dot` exists for Avx2 only when the CPU has AVX2, FMA and F16C.
+            // SAFETY: `Dot` exists for these paths only when the CPU has
+            // AVX2, FMA and F16C (the AVX-512 paths include them).
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx2, BlocksRef::Q4_1(b)) => unsafe {
+            (Isa::Avx2 | Isa::Avx512 | Isa::Avx512Vnni, BlocksRef::Q4_1(b)) => unsafe {
                 crate::avx2::expand_q4_1(&b[..n.min(b.len())], out)
             },
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx2, BlocksRef::Q8_0(b)) => unsafe {
+            (Isa::Avx2 | Isa::Avx512 | Isa::Avx512Vnni, BlocksRef::Q8_0(b)) => unsafe {
                 crate::avx2::expand_q8_0(&b[..n.min(b.len())], out)
             },
             (_, BlocksRef::Q4_1(b)) => drop(dequantize_row(&b[..n.min(b.len())], out)),
@@ -126,7 +131,7 @@ impl Activation for BlockQ8_0 {
     fn quantize_row_with(dot: Dot, x: &[f32], out: &mut Vec<Self>) -> Result<(), FormatError> {
         match dot.isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => {
+            Isa::Avx2 | Isa::Avx512 | Isa::Avx512Vnni => {
                 prepare(x, out)?;
                 // SAFETY: `Dot` exists for Avx2 only when the CPU has AVX2,
                 // FMA and F16C; `prepare` sized `out` to x.len() / 32 blocks.
@@ -142,7 +147,7 @@ impl Activation for BlockQ8_1 {
     fn quantize_row_with(dot: Dot, x: &[f32], out: &mut Vec<Self>) -> Result<(), FormatError> {
         match dot.isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => {
+            Isa::Avx2 | Isa::Avx512 | Isa::Avx512Vnni => {
                 prepare(x, out)?;
                 // SAFETY: as above.
                 unsafe { crate::avx2::quantize_q8_1(x, out) };

@@ -15,6 +15,8 @@
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 #[cfg(feature = "bench")]
 pub mod bench;
 pub mod dot;

@@ -100,7 +100,7 @@ fn main() -> Result<()> {
         Some(Cmd::Isa) => {
             println!("available: {:?}", Isa::available());
             println!(
-                "chosen: {} (cap with INFERENCE_LAB_ISA=scalar|avx2)",
+                "chosen: {} (cap with INFERENCE_LAB_ISA=scalar|avx2|avx512|avx512vnni)",
                 Dot::detect().isa()
             );
             Ok(())
