@@ -1,4 +1,4 @@
-//! The activation quantiser, scalar vs AVX2, on SmolLM2's row widths
+//! The activation quantiser, scalar vs SIMD, on SmolLM2's row widths
 //! (576: q/k/v, o, gate/up inputs; 1536: down's input), interleaved, medians
 //! of 31 rounds of 2,000 rows each.
 //!
@@ -6,7 +6,7 @@
 
 use std::time::Instant;
 
-use p10_quant::formats::{BlockQ8_0, BlockQ8_1};
+use p10_quant::act::{ActFormat, QRow};
 use p10_quant::{Dot, Isa};
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -23,13 +23,15 @@ fn main() {
     for width in [576usize, 1536] {
         let x: Vec<f32> = (0..width).map(|_| rng.next_f32() * 4.0 - 2.0).collect();
         let mut times = vec![Vec::new(); paths.len()];
-        let (mut q1, mut q0) = (Vec::<BlockQ8_1>::new(), Vec::<BlockQ8_0>::new());
+        let mut q = QRow::default();
         for _ in 0..31 {
             for (p, dot) in paths.iter().enumerate() {
                 let t = Instant::now();
                 for _ in 0..1000 {
-                    dot.quantize_row(std::hint::black_box(&x), &mut q1).unwrap();
-                    dot.quantize_row(std::hint::black_box(&x), &mut q0).unwrap();
+                    for format in [ActFormat::Q8_1, ActFormat::Q8_0] {
+                        dot.quantize(std::hint::black_box(&x), format, &mut q)
+                            .unwrap();
+                    }
                 }
                 times[p].push(t.elapsed().as_secs_f64() / 2000.0);
             }

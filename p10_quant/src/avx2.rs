@@ -1,9 +1,9 @@
 //! The AVX2 dot products (x86-64 with AVX2, FMA and F16C). Per block:
 //! expand the weights to 32 bytes, `maddubs` (u8 × i8 → pairs summed to
 //! i16), `madd` with ones (→ eight i32), convert, and one FMA with the
-//! block's combined scale. The scales are read two f16 at a time
-//! (`d` and `m`, or `d` and `s`, sit next to each other) and converted with
-//! one `vcvtph2ps`.
+//! block's combined scale. The weights' scales are read two f16 at a time
+//! (`d` and `m` sit next to each other) and converted with one
+//! `vcvtph2ps`; the activations' are f32 already (`act::QRow`).
 //!
 //! `maddubs` needs one unsigned operand: the 4-bit weights of Q4_1 are
 //! (0..15); signed pairs use the sign trick, |w| · (x with w's sign), which
@@ -11,7 +11,8 @@
 
 use std::arch::x86_64::*;
 
-use crate::formats::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
+use crate::act::{ActFormat, QRowRef};
+use crate::formats::{BlockQ4_0, BlockQ4_1, BlockQ8_0};
 
 /// Two adjacent f16 (bits `lo`, `hi`) as lanes 0 and 1 of a vector.
 #[inline]
@@ -69,23 +70,31 @@ fn dot_i8_i8(a: __m256i, b: __m256i) -> __m256 {
 /// 16 / 64 / 256 / 512 gave 83.5 / 86.3 / 84.9 / 85.7.
 const PREFETCH: usize = 64;
 
+/// [d_x, s_x] of one activation block (8 bytes) in lanes 0 and 1.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn pair(s: &[f32; 2]) -> __m128 {
+    // SAFETY: `s` is 8 readable bytes; the load is unaligned.
+    unsafe { _mm_castpd_ps(_mm_load_sd(s.as_ptr().cast())) }
+}
+
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn q4_1_q8_1(w: &[BlockQ4_1], x: &[BlockQ8_1]) -> f32 {
+pub unsafe fn q4_1(w: &[BlockQ4_1], x: QRowRef<'_>) -> f32 {
     let mut acc = _mm256_setzero_ps();
     // Lane 1 collects m_w · s_x.
     let mut mins = _mm_setzero_ps();
     let ahead = w.as_ptr();
-    for (i, (w, x)) in w.iter().zip(x).enumerate() {
+    for (i, ((w, q), s)) in w.iter().zip(x.codes()).zip(x.scales()).enumerate() {
         // The weights stream from memory: ask for the line PREFETCH blocks
         // ahead (past the row's end it is the next row's, which the same
         // thread reads next; a prefetch never faults).
         _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(i + PREFETCH).cast());
         // (d_w·d_x, m_w·s_x, ..)
-        let scales = _mm_mul_ps(f16x2(w.d, w.m), f16x2(x.d, x.s));
+        let scales = _mm_mul_ps(f16x2(w.d, w.m), pair(s));
         mins = _mm_add_ps(mins, scales);
-        let p = dot_u8_i8(nibbles(&w.qs), load32(&x.qs));
+        let p = dot_u8_i8(nibbles(&w.qs), load32(q));
         acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(scales), p, acc);
     }
     hsum(acc) + _mm_cvtss_f32(_mm_movehdup_ps(mins))
@@ -94,15 +103,15 @@ pub unsafe fn q4_1_q8_1(w: &[BlockQ4_1], x: &[BlockQ8_1]) -> f32 {
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn q4_0_q8_0(w: &[BlockQ4_0], x: &[BlockQ8_0]) -> f32 {
+pub unsafe fn q4_0(w: &[BlockQ4_0], x: QRowRef<'_>) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let eight = _mm256_set1_epi8(8);
     let ahead = w.as_ptr();
-    for (i, (w, x)) in w.iter().zip(x).enumerate() {
+    for (i, ((w, q), s)) in w.iter().zip(x.codes()).zip(x.scales()).enumerate() {
         _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(i + PREFETCH).cast());
-        let d = _mm_mul_ps(f16x2(w.d, 0), f16x2(x.d, 0));
+        let d = _mm_mul_ps(f16x2(w.d, 0), pair(s));
         let qw = _mm256_sub_epi8(nibbles(&w.qs), eight);
-        let p = dot_i8_i8(qw, load32(&x.qs));
+        let p = dot_i8_i8(qw, load32(q));
         acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(d), p, acc);
     }
     hsum(acc)
@@ -111,13 +120,13 @@ pub unsafe fn q4_0_q8_0(w: &[BlockQ4_0], x: &[BlockQ8_0]) -> f32 {
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn q8_0_q8_0(w: &[BlockQ8_0], x: &[BlockQ8_0]) -> f32 {
+pub unsafe fn q8_0(w: &[BlockQ8_0], x: QRowRef<'_>) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let ahead = w.as_ptr();
-    for (i, (w, x)) in w.iter().zip(x).enumerate() {
+    for (i, ((w, q), s)) in w.iter().zip(x.codes()).zip(x.scales()).enumerate() {
         _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(i + PREFETCH).cast());
-        let d = _mm_mul_ps(f16x2(w.d, 0), f16x2(x.d, 0));
-        let p = dot_i8_i8(load32(&w.qs), load32(&x.qs));
+        let d = _mm_mul_ps(f16x2(w.d, 0), pair(s));
+        let p = dot_i8_i8(load32(&w.qs), load32(q));
         acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(d), p, acc);
     }
     hsum(acc)
@@ -227,37 +236,32 @@ fn q8_block(x: &[f32]) -> (f32, [i8; 32], i32) {
     (d, qs, _mm_cvtsi128_si32(s))
 }
 
-/// A row of activations into Q8_0 blocks (`out.len()` blocks from the first
-/// `32 · out.len()` values of `x`).
+/// A row of activations quantised, block by block, into `codes` and
+/// `scales` (one entry per block; `x` holds at least 32 per block). The
+/// scales are stored as their f16 roundings (as the blocks would hold
+/// them), in f32.
 ///
 /// # Safety
-/// The CPU must have AVX2, FMA and F16C, and `x` must hold at least
-/// `32 · out.len()` values.
+/// The CPU must have AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn quantize_q8_0(x: &[f32], out: &mut [BlockQ8_0]) {
-    assert!(x.len() >= 32 * out.len(), "quantize_q8_0: short input row");
-    for (b, xb) in out.iter_mut().zip(x.chunks_exact(32)) {
-        let (d, qs, _) = q8_block(xb);
-        *b = BlockQ8_0 {
-            d: half::f16::from_f32(d).to_bits(),
-            qs,
-        };
-    }
-}
-
-/// A row of activations into Q8_1 blocks (with s = d · Σ q).
-///
-/// # Safety
-/// As [`quantize_q8_0`].
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn quantize_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
-    assert!(x.len() >= 32 * out.len(), "quantize_q8_1: short input row");
-    for (b, xb) in out.iter_mut().zip(x.chunks_exact(32)) {
+pub unsafe fn quantize(
+    x: &[f32],
+    format: ActFormat,
+    codes: &mut [[i8; 32]],
+    scales: &mut [[f32; 2]],
+) {
+    assert!(x.len() >= 32 * codes.len(), "quantize: short input row");
+    let r = |v: f32| half::f16::from_f32(v).to_f32();
+    for ((c, s), xb) in codes
+        .iter_mut()
+        .zip(scales.iter_mut())
+        .zip(x.chunks_exact(32))
+    {
         let (d, qs, sum) = q8_block(xb);
-        *b = BlockQ8_1 {
-            d: half::f16::from_f32(d).to_bits(),
-            s: half::f16::from_f32(sum as f32 * d).to_bits(),
-            qs,
+        *c = qs;
+        *s = match format {
+            ActFormat::Q8_1 => [r(d), r(sum as f32 * d)],
+            ActFormat::Q8_0 => [r(d), 0.0],
         };
     }
 }

@@ -11,28 +11,39 @@
 //!
 //! ```text
 //!   w   = [w0 lo | w0 hi | w1 lo | w1 hi] nibbles, 4 × 16 bytes   (u8 0..15)
-//!   x   = [x0.qs          | x1.qs        ]                        (i8)
+//!   x   = [x0 codes       | x1 codes     ]  one 64-byte load      (i8)
 //!   p   = dot4(w, x): 16 i32 lanes, lanes 0..8 block 0, 8..16 block 1
 //!   acc += [d_w0·d_x0 ×8 | d_w1·d_x1 ×8] · f32(p)
 //! ```
 //!
-//! The blocks sit in the mapped file as GGUF lays them out (scales beside
-//! their codes), so the two blocks' codes are gathered by two 128/256-bit
-//! loads, and their four f16 scales by one `vcvtph2ps`.
+//! The weight blocks sit in the mapped file as GGUF lays them out (scales
+//! beside their codes), so two blocks' nibbles take two 128-bit loads and
+//! their four f16 scales one `vcvtph2ps`. The activations are a `QRow`:
+//! two blocks' codes are one 64-byte load and their scales, f32 already,
+//! one 16-byte load.
 
 use std::arch::x86_64::*;
 
-use crate::formats::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
+use crate::act::QRowRef;
+use crate::formats::{BlockQ4_0, BlockQ4_1, BlockQ8_0};
 
 /// How many blocks ahead the weight loops prefetch (as the AVX2 path).
 const PREFETCH: usize = 64;
 
-/// `hi:lo` f16 pairs of four words, as eight f32: words a, b, c, d give
-/// [a.lo, a.hi, b.lo, b.hi, c.lo, c.hi, d.lo, d.hi].
+/// Two blocks' f16 words (`hi:lo` pairs) as [a.lo, a.hi, b.lo, b.hi] in f32.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-fn f16x8(a: u32, b: u32, c: u32, d: u32) -> __m256 {
-    _mm256_cvtph_ps(_mm_set_epi32(d as i32, c as i32, b as i32, a as i32))
+fn f16x4(a: u32, b: u32) -> __m128 {
+    _mm_cvtph_ps(_mm_set_epi32(0, 0, b as i32, a as i32))
+}
+
+/// Two activation blocks' [d, s] as [d0, s0, d1, s1].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+fn scales2(s: &[[f32; 2]]) -> __m128 {
+    debug_assert!(s.len() >= 2);
+    // SAFETY: callers pass two blocks' scales (16 readable bytes).
+    unsafe { _mm_loadu_ps(s.as_ptr().cast()) }
 }
 
 /// Lane 0 of `p` in f32 lanes 0..8 and lane 2 in 8..16: one scale per block.
@@ -63,10 +74,19 @@ fn nibbles2(a: &[u8; 16], b: &[u8; 16]) -> __m512i {
     _mm512_and_si512(z, _mm512_set1_epi8(0x0f))
 }
 
-/// Two blocks' 32 codes each, side by side.
+/// Two blocks' 32 codes each: 64 contiguous bytes of a `QRow`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-fn codes2(a: &[i8; 32], b: &[i8; 32]) -> __m512i {
+fn codes2(q: &[[i8; 32]]) -> __m512i {
+    debug_assert!(q.len() >= 2);
+    // SAFETY: callers pass two blocks' codes (64 readable bytes).
+    unsafe { _mm512_loadu_si512(q.as_ptr().cast()) }
+}
+
+/// Two Q8_0 weight blocks' codes (34-byte blocks: two loads).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+fn weights8(a: &[i8; 32], b: &[i8; 32]) -> __m512i {
     // SAFETY: `a` and `b` are 32 readable bytes each; the loads are unaligned.
     let (lo, hi) = unsafe {
         (
@@ -108,25 +128,25 @@ macro_rules! kernels {
         /// # Safety
         /// The CPU must have the features this module is compiled for.
         #[target_feature(enable = $features)]
-        pub unsafe fn q4_1_q8_1(w: &[BlockQ4_1], x: &[BlockQ8_1]) -> f32 {
+        pub unsafe fn q4_1(w: &[BlockQ4_1], x: QRowRef<'_>) -> f32 {
             let n = w.len().min(x.len());
-            let (pairs, ahead) = (n / 2, w.as_ptr());
             let mut acc = _mm512_setzero_ps();
             // Lanes 1 and 3 collect m_w · s_x.
             let mut mins = _mm_setzero_ps();
-            for i in 0..pairs {
-                let (w0, w1, x0, x1) = (&w[2 * i], &w[2 * i + 1], &x[2 * i], &x[2 * i + 1]);
+            let ahead = w.as_ptr();
+            let pairs = w[..n - n % 2].chunks_exact(2);
+            for (i, (w, (q, s))) in pairs
+                .zip(x.codes().chunks_exact(2).zip(x.scales().chunks_exact(2)))
+                .enumerate()
+            {
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(2 * i + PREFETCH).cast());
-                // [d_w0, m_w0, d_w1, m_w1, d_x0, s_x0, d_x1, s_x1]
-                let s = f16x8(
-                    word(w0.d, w0.m),
-                    word(w1.d, w1.m),
-                    word(x0.d, x0.s),
-                    word(x1.d, x1.s),
+                // [d_w0·d_x0, m_w0·s_x0, d_w1·d_x1, m_w1·s_x1]
+                let s = _mm_mul_ps(
+                    f16x4(word(w[0].d, w[0].m), word(w[1].d, w[1].m)),
+                    scales2(s),
                 );
-                let s = _mm_mul_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
                 mins = _mm_add_ps(mins, s);
-                let p = dot4(nibbles2(&w0.qs, &w1.qs), codes2(&x0.qs, &x1.qs));
+                let p = dot4(nibbles2(&w[0].qs, &w[1].qs), codes2(q));
                 acc = _mm512_fmadd_ps(per_block(s), p, acc);
             }
             let mins = _mm_add_ss(
@@ -136,56 +156,60 @@ macro_rules! kernels {
             let mut sum = hsum(acc) + _mm_cvtss_f32(mins);
             if n % 2 == 1 {
                 // SAFETY: the CPU has AVX2, FMA and F16C (this function's features).
-                sum += unsafe { crate::avx2::q4_1_q8_1(&w[n - 1..n], &x[n - 1..n]) };
+                sum += unsafe { crate::avx2::q4_1(&w[n - 1..n], x.slice(n - 1..n)) };
             }
             sum
         }
 
         /// # Safety
-        /// As [`q4_1_q8_1`].
+        /// As [`q4_1`].
         #[target_feature(enable = $features)]
-        pub unsafe fn q4_0_q8_0(w: &[BlockQ4_0], x: &[BlockQ8_0]) -> f32 {
+        pub unsafe fn q4_0(w: &[BlockQ4_0], x: QRowRef<'_>) -> f32 {
             let n = w.len().min(x.len());
-            let (pairs, ahead) = (n / 2, w.as_ptr());
             let mut acc = _mm512_setzero_ps();
             let eight = _mm512_set1_epi8(8);
-            for i in 0..pairs {
-                let (w0, w1, x0, x1) = (&w[2 * i], &w[2 * i + 1], &x[2 * i], &x[2 * i + 1]);
+            let ahead = w.as_ptr();
+            let pairs = w[..n - n % 2].chunks_exact(2);
+            for (i, (w, (q, s))) in pairs
+                .zip(x.codes().chunks_exact(2).zip(x.scales().chunks_exact(2)))
+                .enumerate()
+            {
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(2 * i + PREFETCH).cast());
-                let s = f16x8(w0.d as u32, w1.d as u32, x0.d as u32, x1.d as u32);
-                let s = _mm_mul_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
+                let s = _mm_mul_ps(f16x4(w[0].d as u32, w[1].d as u32), scales2(s));
                 // Σ (nib − 8)·x = Σ nib·x − Σ 8·x: both u8 × i8.
-                let (u, c) = (nibbles2(&w0.qs, &w1.qs), codes2(&x0.qs, &x1.qs));
-                let p = _mm512_sub_ps(dot4(u, c), dot4(eight, c));
+                let c = codes2(q);
+                let p = _mm512_sub_ps(dot4(nibbles2(&w[0].qs, &w[1].qs), c), dot4(eight, c));
                 acc = _mm512_fmadd_ps(per_block(s), p, acc);
             }
             let mut sum = hsum(acc);
             if n % 2 == 1 {
-                // SAFETY: as in q4_1_q8_1.
-                sum += unsafe { crate::avx2::q4_0_q8_0(&w[n - 1..n], &x[n - 1..n]) };
+                // SAFETY: as in q4_1.
+                sum += unsafe { crate::avx2::q4_0(&w[n - 1..n], x.slice(n - 1..n)) };
             }
             sum
         }
 
         /// # Safety
-        /// As [`q4_1_q8_1`].
+        /// As [`q4_1`].
         #[target_feature(enable = $features)]
-        pub unsafe fn q8_0_q8_0(w: &[BlockQ8_0], x: &[BlockQ8_0]) -> f32 {
+        pub unsafe fn q8_0(w: &[BlockQ8_0], x: QRowRef<'_>) -> f32 {
             let n = w.len().min(x.len());
-            let (pairs, ahead) = (n / 2, w.as_ptr());
             let mut acc = _mm512_setzero_ps();
-            for i in 0..pairs {
-                let (w0, w1, x0, x1) = (&w[2 * i], &w[2 * i + 1], &x[2 * i], &x[2 * i + 1]);
+            let ahead = w.as_ptr();
+            let pairs = w[..n - n % 2].chunks_exact(2);
+            for (i, (w, (q, s))) in pairs
+                .zip(x.codes().chunks_exact(2).zip(x.scales().chunks_exact(2)))
+                .enumerate()
+            {
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(2 * i + PREFETCH).cast());
-                let s = f16x8(w0.d as u32, w1.d as u32, x0.d as u32, x1.d as u32);
-                let s = _mm_mul_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
-                let (u, c) = signed_pair(codes2(&w0.qs, &w1.qs), codes2(&x0.qs, &x1.qs));
+                let s = _mm_mul_ps(f16x4(w[0].d as u32, w[1].d as u32), scales2(s));
+                let (u, c) = signed_pair(weights8(&w[0].qs, &w[1].qs), codes2(q));
                 acc = _mm512_fmadd_ps(per_block(s), dot4(u, c), acc);
             }
             let mut sum = hsum(acc);
             if n % 2 == 1 {
-                // SAFETY: as in q4_1_q8_1.
-                sum += unsafe { crate::avx2::q8_0_q8_0(&w[n - 1..n], &x[n - 1..n]) };
+                // SAFETY: as in q4_1.
+                sum += unsafe { crate::avx2::q8_0(&w[n - 1..n], x.slice(n - 1..n)) };
             }
             sum
         }

@@ -6,15 +6,18 @@
 //! activations and expanding weights for prefill use the AVX2 code on the
 //! AVX-512 paths too.
 //!
+//! The kernels read activations as a [`QRow`] (the Q8 blocks' codes back
+//! to back, their scales already in f32); the block-slice methods
+//! (`q4_1_q8_1`, ...) convert and call them, for tests and one-off use.
+//!
 //! | weights | activations | per block |
 //! |---|---|---|
 //! | Q4_1 | Q8_1 | d_w·d_x·Σ nib·q + m_w·s_x (the minimum meets Σ q once) |
 //! | Q4_0 | Q8_0 | d_w·d_x·Σ (nib − 8)·q |
 //! | Q8_0 | Q8_0 | d_w·d_x·Σ q_w·q_x |
 
-use crate::formats::{
-    f, quantize_row_into, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, FormatError,
-};
+use crate::act::{ActFormat, QRow, QRowRef};
+use crate::formats::{f, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, FormatError, QK};
 use crate::isa::Isa;
 
 /// Why a kernel path cannot be used.
@@ -34,7 +37,7 @@ pub struct Dot {
 macro_rules! dispatch {
     ($dot:expr, $f:ident($($a:expr),*)) => {
         match $dot.isa {
-            Isa::Scalar => scalar::$f($($a),*),
+            Isa::Scalar => scalar::row::$f($($a),*),
             // SAFETY: a `Dot` exists only for a path whose CPU features
             // this machine has (see `Dot::new`, `Isa::available`).
             #[cfg(target_arch = "x86_64")]
@@ -46,7 +49,7 @@ macro_rules! dispatch {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Vnni => unsafe { crate::avx512::vnni::$f($($a),*) },
             #[cfg(not(target_arch = "x86_64"))]
-            _ => scalar::$f($($a),*),
+            _ => scalar::row::$f($($a),*),
         }
     };
 }
@@ -70,16 +73,29 @@ impl Dot {
     }
 
     /// Σ over blocks, of the shorter of the two rows.
+    pub fn q4_1(self, w: &[BlockQ4_1], x: QRowRef<'_>) -> f32 {
+        dispatch!(self, q4_1(w, x))
+    }
+
+    pub fn q4_0(self, w: &[BlockQ4_0], x: QRowRef<'_>) -> f32 {
+        dispatch!(self, q4_0(w, x))
+    }
+
+    pub fn q8_0(self, w: &[BlockQ8_0], x: QRowRef<'_>) -> f32 {
+        dispatch!(self, q8_0(w, x))
+    }
+
+    /// [`Dot::q4_1`] with the activations as GGUF blocks.
     pub fn q4_1_q8_1(self, w: &[BlockQ4_1], x: &[BlockQ8_1]) -> f32 {
-        dispatch!(self, q4_1_q8_1(w, x))
+        self.q4_1(w, QRow::from_q8_1(x).all())
     }
 
     pub fn q4_0_q8_0(self, w: &[BlockQ4_0], x: &[BlockQ8_0]) -> f32 {
-        dispatch!(self, q4_0_q8_0(w, x))
+        self.q4_0(w, QRow::from_q8_0(x).all())
     }
 
     pub fn q8_0_q8_0(self, w: &[BlockQ8_0], x: &[BlockQ8_0]) -> f32 {
-        dispatch!(self, q8_0_q8_0(w, x))
+        self.q8_0(w, QRow::from_q8_0(x).all())
     }
 }
 
@@ -110,62 +126,48 @@ impl Dot {
     }
 }
 
-/// The 8-bit activation formats, quantised by a [`Dot`]'s path: the AVX2
-/// quantiser (`avx2::quantize_q8_*`) gives the scalar reference's blocks bit
-/// for bit (same maximum, same divide, same products, `roundf`'s rounding).
-pub trait Activation: crate::formats::Block {
-    /// `x` (a whole number of blocks) into `out` (cleared first).
-    fn quantize_row_with(dot: Dot, x: &[f32], out: &mut Vec<Self>) -> Result<(), FormatError>;
-}
-
-fn prepare<B: crate::formats::Block>(x: &[f32], out: &mut Vec<B>) -> Result<(), FormatError> {
-    if !x.len().is_multiple_of(crate::formats::QK) {
-        return Err(FormatError::Ragged { len: x.len() });
-    }
-    out.clear();
-    out.resize(x.len() / crate::formats::QK, B::default());
-    Ok(())
-}
-
-impl Activation for BlockQ8_0 {
-    fn quantize_row_with(dot: Dot, x: &[f32], out: &mut Vec<Self>) -> Result<(), FormatError> {
-        match dot.isa {
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 | Isa::Avx512 | Isa::Avx512Vnni => {
-                prepare(x, out)?;
-                // SAFETY: `Dot` exists for Avx2 only when the CPU has AVX2,
-                // FMA and F16C; `prepare` sized `out` to x.len() / 32 blocks.
-                unsafe { crate::avx2::quantize_q8_0(x, out) };
-                Ok(())
-            }
-            _ => quantize_row_into(x, out),
-        }
-    }
-}
-
-impl Activation for BlockQ8_1 {
-    fn quantize_row_with(dot: Dot, x: &[f32], out: &mut Vec<Self>) -> Result<(), FormatError> {
-        match dot.isa {
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 | Isa::Avx512 | Isa::Avx512Vnni => {
-                prepare(x, out)?;
-                // SAFETY: as above.
-                unsafe { crate::avx2::quantize_q8_1(x, out) };
-                Ok(())
-            }
-            _ => quantize_row_into(x, out),
-        }
-    }
-}
-
 impl Dot {
-    /// Quantise a row of activations with this path (see [`Activation`]).
-    pub fn quantize_row<B: Activation>(
-        self,
-        x: &[f32],
-        out: &mut Vec<B>,
-    ) -> Result<(), FormatError> {
-        B::quantize_row_with(self, x, out)
+    /// Quantise activations (a whole number of 32-value blocks; several
+    /// rows back to back give each row's blocks in turn) into `out` with
+    /// this path. The SIMD quantiser (`avx2::quantize`, also used by the
+    /// AVX-512 paths) gives the scalar reference's values bit for bit:
+    /// the same maximum, divide and products, and `roundf`'s rounding.
+    pub fn quantize(self, x: &[f32], format: ActFormat, out: &mut QRow) -> Result<(), FormatError> {
+        if !x.len().is_multiple_of(QK) {
+            return Err(FormatError::Ragged { len: x.len() });
+        }
+        let (codes, scales) = out.zeroed(x.len() / QK);
+        match self.isa {
+            // SAFETY: `Dot` exists for these paths only when the CPU has
+            // AVX2, FMA and F16C; `zeroed` gave x.len() / 32 blocks.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 | Isa::Avx512 | Isa::Avx512Vnni => unsafe {
+                crate::avx2::quantize(x, format, codes, scales)
+            },
+            _ => {
+                for ((c, s), xb) in codes
+                    .iter_mut()
+                    .zip(scales.iter_mut())
+                    .zip(x.chunks_exact(QK))
+                {
+                    let Ok(xb) = <&[f32; QK]>::try_from(xb) else {
+                        continue;
+                    };
+                    use crate::formats::Block;
+                    (*c, *s) = match format {
+                        ActFormat::Q8_1 => {
+                            let b = BlockQ8_1::quantize(xb);
+                            (b.qs, [f(b.d), f(b.s)])
+                        }
+                        ActFormat::Q8_0 => {
+                            let b = BlockQ8_0::quantize(xb);
+                            (b.qs, [f(b.d), 0.0])
+                        }
+                    };
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -210,5 +212,46 @@ pub mod scalar {
             sum += sumi as f32 * (f(w.d) * f(x.d));
         }
         sum
+    }
+
+    /// The same sums over a [`QRow`]: each block's f32 scales are its f16
+    /// ones exactly, so these equal the block versions bit for bit.
+    pub mod row {
+        use super::*;
+
+        pub fn q4_1(w: &[BlockQ4_1], x: QRowRef<'_>) -> f32 {
+            let mut sum = 0.0f32;
+            for ((w, q), [d, s]) in w.iter().zip(x.codes()).zip(x.scales()) {
+                let mut sumi = 0i32;
+                for j in 0..16 {
+                    sumi += (w.qs[j] & 0x0f) as i32 * q[j] as i32;
+                    sumi += (w.qs[j] >> 4) as i32 * q[j + 16] as i32;
+                }
+                sum += f(w.d) * d * sumi as f32 + f(w.m) * s;
+            }
+            sum
+        }
+
+        pub fn q4_0(w: &[BlockQ4_0], x: QRowRef<'_>) -> f32 {
+            let mut sum = 0.0f32;
+            for ((w, q), [d, _]) in w.iter().zip(x.codes()).zip(x.scales()) {
+                let mut sumi = 0i32;
+                for j in 0..16 {
+                    sumi += ((w.qs[j] & 0x0f) as i32 - 8) * q[j] as i32;
+                    sumi += ((w.qs[j] >> 4) as i32 - 8) * q[j + 16] as i32;
+                }
+                sum += sumi as f32 * (f(w.d) * d);
+            }
+            sum
+        }
+
+        pub fn q8_0(w: &[BlockQ8_0], x: QRowRef<'_>) -> f32 {
+            let mut sum = 0.0f32;
+            for ((w, q), [d, _]) in w.iter().zip(x.codes()).zip(x.scales()) {
+                let sumi: i32 = w.qs.iter().zip(q).map(|(&a, &b)| a as i32 * b as i32).sum();
+                sum += sumi as f32 * (f(w.d) * d);
+            }
+            sum
+        }
     }
 }

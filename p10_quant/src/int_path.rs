@@ -16,7 +16,8 @@
 
 use std::cell::RefCell;
 
-use crate::formats::{BlockQ8_0, BlockQ8_1, QK};
+use crate::act::{ActFormat, QRow, QRowRef};
+use crate::formats::QK;
 use crate::matrix::{Blocks, MatrixError, QuantMatrix};
 use crate::pool::Pool;
 use p04_transformer::proj::MAX_GROUP;
@@ -99,25 +100,25 @@ impl QuantMatrix {
         // row's blocks, back to back.
         SCRATCH.with(|s| {
             let mut s = s.borrow_mut();
-            let Scratch { q8_1, q8_0 } = &mut *s;
+            let xq = &mut s.xq;
             let per = first.cols / QK;
             // One arm per weight format: its blocks, its activation
             // blocks, its dot product.
             macro_rules! run {
-                ($variant:ident, $xq:expr, $dot:ident) => {{
+                ($variant:ident, $format:ident, $dot:ident) => {{
                     let w = same(mats, |b| match b {
                         Blocks::$variant(b) => Some(&b[..]),
                         _ => None,
                     })?;
-                    quantiser(dot).quantize_row(x, $xq)?;
-                    let (ws, xq) = (&w[..mats.len()], &**$xq);
+                    quantiser(dot).quantize(x, ActFormat::$format, xq)?;
+                    let ws = &w[..mats.len()];
                     rows_times(ws, outs, per, xq, m, pool, threads, |w, x| dot.$dot(w, x));
                 }};
             }
             match &first.blocks {
-                Blocks::Q4_1(_) => run!(Q4_1, q8_1, q4_1_q8_1),
-                Blocks::Q4_0(_) => run!(Q4_0, q8_0, q4_0_q8_0),
-                Blocks::Q8_0(_) => run!(Q8_0, q8_0, q8_0_q8_0),
+                Blocks::Q4_1(_) => run!(Q4_1, Q8_1, q4_1),
+                Blocks::Q4_0(_) => run!(Q4_0, Q8_0, q4_0),
+                Blocks::Q8_0(_) => run!(Q8_0, Q8_0, q8_0),
             }
             Ok::<(), GroupError>(())
         })?;
@@ -155,15 +156,15 @@ unsafe impl Sync for Out {}
 /// rows of all of them split across threads as one range 0..Σ n_j) and
 /// every activation row i (in tiles, so W_j[r] is reused from L1).
 #[allow(clippy::too_many_arguments)]
-fn rows_times<W: Sync, X: Sync>(
+fn rows_times<W: Sync>(
     ws: &[&[W]],
     outs: &[Out],
     per: usize,
-    xq: &[X],
+    xq: &QRow,
     m: usize,
     pool: &Pool,
     threads: usize,
-    dot: impl Fn(&[W], &[X]) -> f32 + Sync,
+    dot: impl Fn(&[W], QRowRef<'_>) -> f32 + Sync,
 ) {
     const TILE: usize = 64;
     let total: usize = outs.iter().map(|o| o.rows).sum();
@@ -179,7 +180,7 @@ fn rows_times<W: Sync, X: Sync>(
                 for r in lo..hi {
                     let wr = &w[r * per..(r + 1) * per];
                     for i in i0..(i0 + TILE).min(m) {
-                        let v = dot(wr, &xq[i * per..(i + 1) * per]);
+                        let v = dot(wr, xq.blocks(i * per..(i + 1) * per));
                         // SAFETY: i < m and r < n, so the index is inside
                         // y_j (m·n long, checked by `check_io`); each row of
                         // the group belongs to one range, so no two threads
@@ -193,12 +194,11 @@ fn rows_times<W: Sync, X: Sync>(
     });
 }
 
-/// Per-thread buffers for the quantised activations (no allocation per
+/// Per-thread buffer for the quantised activations (no allocation per
 /// product once warm).
 #[derive(Default)]
 struct Scratch {
-    q8_1: Vec<BlockQ8_1>,
-    q8_0: Vec<BlockQ8_0>,
+    xq: QRow,
 }
 
 thread_local! {

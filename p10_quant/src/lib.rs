@@ -3,7 +3,8 @@
 //! - [`formats`]: GGUF's block formats as types (Q8_0, Q4_0, Q4_1, and
 //!   Q8_1 for activations), with ggml's reference quantisers;
 //! - [`dot`]: block dot products, a scalar reference and SIMD paths
-//!   ([`isa`] picks one at run time);
+//!   ([`isa`] picks one at run time), over activations quantised into an
+//!   [`act::QRow`];
 //! - [`matrix`]: a weight matrix kept in blocks, behind Project 04's
 //!   weight-format seam (`LinearWeights`), on a spinning thread pool
 //!   ([`pool`]);
@@ -13,6 +14,7 @@
 //!   counted as llama.cpp's `llama-perplexity` counts them; [`study`]
 //!   runs the accuracy studies with it.
 
+pub mod act;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]

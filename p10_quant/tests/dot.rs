@@ -6,6 +6,8 @@
 
 use common::rng::Rng;
 use half::f16;
+use p10_quant::act::{ActFormat, QRow};
+use p10_quant::dot::scalar as ggml;
 use p10_quant::formats::{
     dequantize_row, quantize_row, Block, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, QK,
 };
@@ -114,7 +116,6 @@ fn close(a: f32, b: f32, scale: f32) -> bool {
 #[test]
 fn simd_paths_equal_the_scalar_reference() {
     let mut rng = Rng::new(7);
-    let scalar = Dot::new(Isa::Scalar).unwrap();
     let mut checked = 0;
     for dot in tested_paths() {
         for (label, w, x) in f32_cases(&mut rng) {
@@ -130,17 +131,17 @@ fn simd_paths_equal_the_scalar_reference() {
                 (
                     "q4_1",
                     dot.q4_1_q8_1(&w41, &x81),
-                    scalar.q4_1_q8_1(&w41, &x81),
+                    ggml::q4_1_q8_1(&w41, &x81),
                 ),
                 (
                     "q4_0",
                     dot.q4_0_q8_0(&w40, &x80),
-                    scalar.q4_0_q8_0(&w40, &x80),
+                    ggml::q4_0_q8_0(&w40, &x80),
                 ),
                 (
                     "q8_0",
                     dot.q8_0_q8_0(&w80, &x80),
-                    scalar.q8_0_q8_0(&w80, &x80),
+                    ggml::q8_0_q8_0(&w80, &x80),
                 ),
             ] {
                 assert!(
@@ -148,6 +149,10 @@ fn simd_paths_equal_the_scalar_reference() {
                     "{} {name} {label}: {a} vs {b}",
                     dot.isa()
                 );
+                // The portable path over a QRow is ggml's arithmetic exactly.
+                if dot.isa() == Isa::Scalar {
+                    assert_eq!(a.to_bits(), b.to_bits(), "{name} {label}");
+                }
                 checked += 1;
             }
         }
@@ -166,7 +171,7 @@ fn simd_paths_equal_the_scalar_reference() {
                     }
                 })
                 .collect();
-            let (a, b) = (dot.q4_1_q8_1(&w, &x), scalar.q4_1_q8_1(&w, &x));
+            let (a, b) = (dot.q4_1_q8_1(&w, &x), ggml::q4_1_q8_1(&w, &x));
             let scale = 127.0 * 15.0 * 32.0 * nb as f32;
             assert!(
                 close(a, b, scale),
@@ -185,7 +190,7 @@ fn simd_paths_equal_the_scalar_reference() {
                     qs: raw_q8(&mut rng),
                 })
                 .collect();
-            let (a, b) = (dot.q8_0_q8_0(&w8, &x8), scalar.q8_0_q8_0(&w8, &x8));
+            let (a, b) = (dot.q8_0_q8_0(&w8, &x8), ggml::q8_0_q8_0(&w8, &x8));
             assert!(
                 close(a, b, 127.0 * 127.0 * 0.02 * 32.0 * nb as f32),
                 "{} raw q8_0 {nb}",
@@ -197,7 +202,7 @@ fn simd_paths_equal_the_scalar_reference() {
                     qs: std::array::from_fn(|_| rng.below(256) as u8),
                 })
                 .collect();
-            let (a, b) = (dot.q4_0_q8_0(&w4, &x8), scalar.q4_0_q8_0(&w4, &x8));
+            let (a, b) = (dot.q4_0_q8_0(&w4, &x8), ggml::q4_0_q8_0(&w4, &x8));
             assert!(
                 close(a, b, 8.0 * 127.0 * 0.6 * 32.0 * nb as f32),
                 "{} raw q4_0 {nb}",
@@ -359,16 +364,16 @@ fn the_simd_activation_quantisers_match_the_scalar_reference_bit_for_bit() {
     for isa in Isa::available() {
         let dot = Dot::new(isa).unwrap();
         for (i, x) in quantiser_rows(&mut rng).iter().enumerate() {
-            let (mut a0, mut b0) = (Vec::<BlockQ8_0>::new(), Vec::<BlockQ8_0>::new());
-            dot.quantize_row(x, &mut a0).unwrap();
-            scalar.quantize_row(x, &mut b0).unwrap();
-            assert_eq!(a0, b0, "Q8_0, {isa}, row {i}");
-            // And both are the format's own reference quantiser.
-            assert_eq!(b0, quantize_row::<BlockQ8_0>(x).unwrap(), "row {i}");
-            let (mut a1, mut b1) = (Vec::<BlockQ8_1>::new(), Vec::<BlockQ8_1>::new());
-            dot.quantize_row(x, &mut a1).unwrap();
-            scalar.quantize_row(x, &mut b1).unwrap();
-            assert_eq!(a1, b1, "Q8_1, {isa}, row {i}");
+            // The format's own reference quantiser, as blocks, then as a QRow.
+            let q8_0 = QRow::from_q8_0(&quantize_row::<BlockQ8_0>(x).unwrap());
+            let q8_1 = QRow::from_q8_1(&quantize_row::<BlockQ8_1>(x).unwrap());
+            for (format, reference) in [(ActFormat::Q8_0, q8_0), (ActFormat::Q8_1, q8_1)] {
+                let (mut a, mut b) = (QRow::default(), QRow::default());
+                dot.quantize(x, format, &mut a).unwrap();
+                scalar.quantize(x, format, &mut b).unwrap();
+                assert_eq!(a, b, "{format:?}, {isa}, row {i}");
+                assert_eq!(b, reference, "{format:?}, row {i}");
+            }
         }
         // Ties round away from zero, as C's roundf: 0.5 -> 1, -1.5 -> -2.
         let mut x = vec![0.0f32; QK];
@@ -376,10 +381,13 @@ fn the_simd_activation_quantisers_match_the_scalar_reference_bit_for_bit() {
         x[1] = 0.5;
         x[2] = -1.5;
         x[3] = 2.4999998;
-        let mut q = Vec::<BlockQ8_0>::new();
-        dot.quantize_row(&x, &mut q).unwrap();
-        assert_eq!(&q[0].qs[..4], &[127, 1, -2, 2], "{isa}");
+        let mut q = QRow::default();
+        dot.quantize(&x, ActFormat::Q8_0, &mut q).unwrap();
+        assert_eq!(&q.all().codes()[0][..4], &[127, 1, -2, 2], "{isa}");
         // A ragged row is an error, not a short read.
-        assert!(dot.quantize_row(&x[..31], &mut q).is_err(), "{isa}");
+        assert!(
+            dot.quantize(&x[..31], ActFormat::Q8_0, &mut q).is_err(),
+            "{isa}"
+        );
     }
 }
