@@ -463,10 +463,11 @@ unsafe fn gemm_part(
             for (i, mcb) in blocks(rows.len(), mc, mr) {
                 let ic = rows.start + i;
                 // Row-major A is read in place (mr unit-stride row streams),
-                // unless its row stride is a multiple of 1 KB: then the rows
-                // map to the same L1 sets (4K aliasing) and packing wins
-                // (measured at N = 1024: 60 GFLOP/s in place vs ~75 packed).
-                let a_src = if a.cs == 1 && !a.rs.is_multiple_of(256) {
+                // unless its row stride is a multiple of 1 KB and the kernel
+                // is one that then loses to 4K aliasing (see
+                // `MicroKernel::pack_aliased_a`).
+                let aliased = kernel.pack_aliased_a && a.rs.is_multiple_of(256);
+                let a_src = if a.cs == 1 && !aliased {
                     // Only a final partial sliver is packed, zero-padded.
                     let full = mcb / mr * mr;
                     let tail = abuf.get(if full < mcb { kcb * mr } else { 0 });

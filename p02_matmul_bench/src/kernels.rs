@@ -68,6 +68,15 @@ pub struct MicroKernel {
     /// The same kernel for a single row of A (1 x nr): M = 1 (decode) would
     /// otherwise pay for mr rows of FMAs to produce one.
     pub(crate) func1: KernelFn,
+    /// Pack a row-major A whose row stride is a multiple of 1 KB instead of
+    /// reading it in place (its rows then share L1 sets: 4K aliasing).
+    /// Measured per kernel: the 6x16 loop at N = 1024, one thread, read
+    /// 60 GFLOP/s in place vs ~75 packed; the 8x32 AVX-512 loop on a Xeon
+    /// (2 threads, interleaved, medians of 8–30) was faster in place at
+    /// every stride tried, aliasing ones included: 1024³ 214 vs 204
+    /// GFLOP/s, 2048³ 174 vs 170, 256 × 1024 × 576 143 vs 136, 256 × 1536 ×
+    /// 576 (SmolLM2's down projection at a 256-token prompt) 157 vs 147.
+    pub(crate) pack_aliased_a: bool,
 }
 
 /// The largest register tile any kernel has (mr * nr): the driver's
@@ -96,6 +105,7 @@ impl MicroKernel {
         nc: 4096,
         func: portable::<6, 16>,
         func1: portable::<1, 16>,
+        pack_aliased_a: true,
     };
     /// Plain Rust at the AVX-512 geometry, 8 x 32 (tests the packing for it).
     pub const PORTABLE_8X32: MicroKernel = MicroKernel {
@@ -108,6 +118,7 @@ impl MicroKernel {
         nc: 4096,
         func: portable::<8, 32>,
         func1: portable::<1, 32>,
+        pack_aliased_a: false,
     };
     #[cfg(target_arch = "x86_64")]
     pub const AVX2: MicroKernel = MicroKernel {
@@ -120,6 +131,7 @@ impl MicroKernel {
         nc: 4096,
         func: x86::avx2_6x16,
         func1: x86::avx2_1x16,
+        pack_aliased_a: true,
     };
     /// 8 x 32: 16 zmm accumulators of 32; B sliver + A sliver = 256 * 40 * 4 B = 40 KB
     /// (L1d is 48 KB on the AVX-512 Xeons this targets).
@@ -134,6 +146,7 @@ impl MicroKernel {
         nc: 4096,
         func: x86::avx512_8x32,
         func1: x86::avx512_1x32,
+        pack_aliased_a: false,
     };
 
     /// Whether this CPU can run the kernel.

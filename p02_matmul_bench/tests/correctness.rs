@@ -62,6 +62,9 @@ const SHAPES: &[(usize, usize, usize)] = &[
     (193, 65, 37),
     (1, 577, 70),
     (97, 131, 263),
+    // A row stride of 2 KB (4K aliasing): packed for the 6x16 kernels, read
+    // in place (whole 8-row slivers and a packed tail) for the 8x32 ones.
+    (19, 40, 512),
 ];
 
 fn check(what: &str, got: &MatMut, expected: &[f32], scale: &[f64], k: usize) {

@@ -8,6 +8,27 @@ fn main() -> anyhow::Result<()> {
     let rounds: usize = std::env::args().nth(2).map_or(Ok(3), |s| s.parse())?;
     let f = p10_quant::loader::load(&path, false)?;
     let q = p10_quant::loader::load(&path, true)?;
+    // PREFILL_INT=1: also the integer path for every product (8-bit
+    // activations, the decode kernels one weight row at a time), the option
+    // of not expanding at all.
+    if std::env::var("PREFILL_INT").is_ok() {
+        let w = p10_quant::NativeWeights {
+            f32_rows: usize::MAX,
+            ..p10_quant::NativeWeights::detect()
+        };
+        let int = p10_quant::loader::load_native(&path, w)?;
+        for _ in 0..rounds {
+            let a = p05_kv_cache::bench::prefill_speed(&f.engine, n)?;
+            let b = p05_kv_cache::bench::prefill_speed(&q.engine, n)?;
+            let c = p05_kv_cache::bench::prefill_speed(&int.engine, n)?;
+            println!(
+                "prefill {n}: f32 {a:.0} tok/s, native expanded {b:.0} ({:.2}x), native integer {c:.0} ({:.2}x)",
+                b / a,
+                c / a
+            );
+        }
+        return Ok(());
+    }
     // PREFILL_ONLY=native|f32: one path alone (for a profiler).
     if let Ok(only) = std::env::var("PREFILL_ONLY") {
         let e = if only == "f32" { &f.engine } else { &q.engine };

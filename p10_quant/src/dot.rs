@@ -2,9 +2,9 @@
 //! integer multiply-adds inside each 32-value block, one float
 //! multiply-add per block. A scalar reference (ggml's generic code,
 //! transcribed), an AVX2 path (`avx2.rs`) and two AVX-512 paths
-//! (`avx512.rs`, with and without VNNI), chosen at run time. Quantising
-//! activations and expanding weights for prefill use the AVX2 code on the
-//! AVX-512 paths too.
+//! (`avx512.rs`, with and without VNNI), chosen at run time. The AVX-512
+//! paths quantise activations with the AVX2 code, and expand weights for
+//! prefill with their own.
 //!
 //! The kernels read activations as a [`QRow`] (the Q8 blocks' codes back
 //! to back, their scales already in f32); the block-slice methods
@@ -101,22 +101,33 @@ impl Dot {
 
 impl Dot {
     /// Blocks to f32 (32 values per block into `out`), for the f32 GEMM of
-    /// prefill. The SIMD path rounds once per value (a fused multiply-add),
-    /// the scalar reference twice: they agree within an ulp.
+    /// prefill. The SIMD paths round once per value (a fused multiply-add;
+    /// AVX2 and AVX-512 give the same values), the scalar reference twice:
+    /// they agree within an ulp.
     pub fn expand(self, blocks: &crate::matrix::BlocksRef<'_>, out: &mut [f32]) {
         use crate::formats::dequantize_row;
         use crate::matrix::BlocksRef;
         let n = out.len() / crate::formats::QK;
         match (self.isa, blocks) {
             // SAFETY: `Dot` exists for these paths only when the CPU has
-            // AVX2, FMA and F16C (the AVX-512 paths include them).
+            // their features (AVX-512 F/BW/VL with AVX2, FMA and F16C).
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx2 | Isa::Avx512 | Isa::Avx512Vnni, BlocksRef::Q4_1(b)) => unsafe {
+            (Isa::Avx512 | Isa::Avx512Vnni, BlocksRef::Q4_1(b)) => unsafe {
+                crate::avx512::expand_q4_1(&b[..n.min(b.len())], out)
+            },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx512 | Isa::Avx512Vnni, BlocksRef::Q8_0(b)) => unsafe {
+                crate::avx512::expand_q8_0(&b[..n.min(b.len())], out)
+            },
+            // SAFETY: as above (AVX2, FMA and F16C).
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx2, BlocksRef::Q4_1(b)) => unsafe {
                 crate::avx2::expand_q4_1(&b[..n.min(b.len())], out)
             },
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx2 | Isa::Avx512 | Isa::Avx512Vnni, BlocksRef::Q8_0(b)) => unsafe {
+            (Isa::Avx2, BlocksRef::Q8_0(b)) => unsafe {
                 crate::avx2::expand_q8_0(&b[..n.min(b.len())], out)
             },
             (_, BlocksRef::Q4_1(b)) => drop(dequantize_row(&b[..n.min(b.len())], out)),
