@@ -28,7 +28,7 @@ pub mod weight_rows;
 pub use gemm::{linear, sgemm, sgemm_prepacked, sgemm_with, AlignedBuf, GemmOpts, PackedB};
 pub use kernels::MicroKernel;
 pub use mat::{MatMut, MatRef};
-pub use weight_rows::sgemm_weight_rows;
+pub use weight_rows::{sgemm_weight_rows, sgemm_weight_slivers};
 
 use thiserror::Error;
 

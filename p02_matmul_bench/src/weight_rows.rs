@@ -25,11 +25,26 @@ use crate::GemmError;
 /// row-major into `out` (count·kc values, every one of them).
 pub type ProduceRows<'a> = dyn Fn(usize, usize, usize, usize, &mut [f32]) + Sync + 'a;
 
-/// A weight W (n, k) given by a producer of its rows (see [`ProduceRows`]).
+/// `produce(j0, count, p0, kc, nr, dst)` writes the packed sliver of W's
+/// rows j0..j0 + count (count ≤ nr), K range p0..p0 + kc, as the
+/// micro-kernel reads it: dst[p·nr + c] = W[j0 + c, p0 + p] for c < count,
+/// and 0 for count ≤ c < nr (kc·nr values, every one of them). A producer
+/// that can expand its format straight into this layout saves the
+/// row-major scratch and the transpose [`ProduceRows`] costs.
+pub type ProduceSliver<'a> = dyn Fn(usize, usize, usize, usize, usize, &mut [f32]) + Sync + 'a;
+
+/// How W's values arrive.
+#[derive(Clone, Copy)]
+enum Producer<'a> {
+    Rows(&'a ProduceRows<'a>),
+    Slivers(&'a ProduceSliver<'a>),
+}
+
+/// A weight W (n, k) given by a producer of its rows or slivers.
 pub(crate) struct WeightRows<'a> {
     n: usize,
     k_unit: usize,
-    produce: &'a ProduceRows<'a>,
+    produce: Producer<'a>,
 }
 
 impl WeightRows<'_> {
@@ -52,17 +67,24 @@ impl WeightRows<'_> {
         out: &mut [f32],
     ) {
         let j_end = j_end.min(self.n);
-        scratch.resize(nr * kc, 0.0);
+        if let Producer::Rows(_) = self.produce {
+            scratch.resize(nr * kc, 0.0);
+        }
         for (s, dst) in out.chunks_exact_mut(kc * nr).enumerate() {
             let j0 = j_first + s * nr;
             if j0 >= j_end {
                 break;
             }
             let count = nr.min(j_end - j0);
-            // Rows past W's end read as zero; the others are all written.
-            scratch[count * kc..].fill(0.0);
-            (self.produce)(j0, count, pc, kc, &mut scratch[..count * kc]);
-            transpose_sliver(scratch, kc, 0, kc, nr, dst);
+            match self.produce {
+                Producer::Rows(produce) => {
+                    // Rows past W's end read as zero; the others are all written.
+                    scratch[count * kc..].fill(0.0);
+                    produce(j0, count, pc, kc, &mut scratch[..count * kc]);
+                    transpose_sliver(scratch, kc, 0, kc, nr, dst);
+                }
+                Producer::Slivers(produce) => produce(j0, count, pc, kc, nr, dst),
+            }
         }
     }
 }
@@ -82,6 +104,30 @@ pub fn sgemm_weight_rows(
     n: usize,
     k_unit: usize,
     produce: &ProduceRows<'_>,
+    c: &mut MatMut,
+    opts: GemmOpts,
+) -> Result<(), GemmError> {
+    weight_gemm(a, n, k_unit, Producer::Rows(produce), c, opts)
+}
+
+/// [`sgemm_weight_rows`] with W given by a producer of packed slivers (see
+/// [`ProduceSliver`]): the same loop, with no transpose.
+pub fn sgemm_weight_slivers(
+    a: MatRef,
+    n: usize,
+    k_unit: usize,
+    produce: &ProduceSliver<'_>,
+    c: &mut MatMut,
+    opts: GemmOpts,
+) -> Result<(), GemmError> {
+    weight_gemm(a, n, k_unit, Producer::Slivers(produce), c, opts)
+}
+
+fn weight_gemm(
+    a: MatRef,
+    n: usize,
+    k_unit: usize,
+    produce: Producer<'_>,
     c: &mut MatMut,
     opts: GemmOpts,
 ) -> Result<(), GemmError> {

@@ -599,6 +599,47 @@ fn weight_rows_in_the_loop_match_reference() {
             if split {
                 assert_eq!(asked.load(Ordering::Relaxed), n * k, "{m}x{n}x{k}");
             }
+            // The same W as packed slivers, written straight into the
+            // micro-kernel's layout.
+            let asked = AtomicUsize::new(0);
+            let sliver =
+                |j0: usize, count: usize, p0: usize, kc: usize, nr: usize, dst: &mut [f32]| {
+                    assert!(
+                        count <= nr && j0 + count <= n && p0 + kc <= k,
+                        "range outside W"
+                    );
+                    assert!(
+                        p0.is_multiple_of(k_unit) && kc.is_multiple_of(k_unit),
+                        "off the unit"
+                    );
+                    assert_eq!(dst.len(), kc * nr);
+                    for (p, d) in dst.chunks_exact_mut(nr).enumerate() {
+                        for (col, v) in d.iter_mut().enumerate() {
+                            *v = if col < count {
+                                w[(j0 + col) * k + p0 + p]
+                            } else {
+                                0.0
+                            };
+                        }
+                    }
+                    asked.fetch_add(count * kc, Ordering::Relaxed);
+                };
+            let mut c = vec![7.0; m * (n + 2)];
+            for (r, v) in c.chunks_mut(n + 2).zip(c0.chunks(n)) {
+                r[..n].copy_from_slice(v);
+            }
+            let mut cm = MatMut::new(&mut c, m, n, n + 2).unwrap();
+            p02_matmul_bench::sgemm_weight_slivers(a, n, k_unit, &sliver, &mut cm, opts).unwrap();
+            check(
+                &format!("weight slivers threads {threads} {m}x{n}x{k} unit {k_unit}"),
+                &cm,
+                &ref_c,
+                &scale,
+                k,
+            );
+            if split {
+                assert_eq!(asked.load(Ordering::Relaxed), n * k, "{m}x{n}x{k}");
+            }
         }
     }
     // K not a multiple of the unit, or a zero unit: an error, not a panic.

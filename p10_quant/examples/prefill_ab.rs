@@ -1,4 +1,5 @@
-//! Prefill speed, f32 vs native (panels expanded in p02's loop, or W
+//! Prefill speed, f32 vs native (panels expanded in p02's loop, straight
+//! into slivers where the kernels can or as rows then transposed, or W
 //! prepacked whole first), interleaved (for profiling the prefill path):
 //! `cargo run --release -p p10_quant --example prefill_ab [tokens] [rounds]`.
 fn main() -> anyhow::Result<()> {
@@ -43,21 +44,32 @@ fn main() -> anyhow::Result<()> {
         set_panel_expansion(how);
         p05_kv_cache::bench::prefill_speed(&q.engine, n)
     };
+    let ways = [
+        PanelExpansion::InLoop,
+        PanelExpansion::InLoopRows,
+        PanelExpansion::Prepacked,
+    ];
+    let mut ratios = vec![Vec::new(); ways.len()];
     for round in 0..rounds {
         let a = p05_kv_cache::bench::prefill_speed(&f.engine, n)?;
-        // The two native paths take turns going first.
-        let (b, c) = if round % 2 == 0 {
-            let b = native(PanelExpansion::InLoop)?;
-            (b, native(PanelExpansion::Prepacked)?)
-        } else {
-            let c = native(PanelExpansion::Prepacked)?;
-            (native(PanelExpansion::InLoop)?, c)
-        };
-        set_panel_expansion(PanelExpansion::InLoop);
+        // The native ways take turns going first.
+        let mut line = format!("prefill {n}: f32 {a:.0} tok/s");
+        let mut speeds = [0.0; 3];
+        for t in 0..ways.len() {
+            let w = (round + t) % ways.len();
+            speeds[w] = native(ways[w])?;
+        }
+        for (w, s) in speeds.iter().enumerate() {
+            line += &format!(", {:?} {s:.0} ({:.2}x)", ways[w], s / a);
+            ratios[w].push(s / a);
+        }
+        println!("{line}");
+    }
+    set_panel_expansion(PanelExpansion::InLoop);
+    for (w, r) in ways.iter().zip(&ratios) {
         println!(
-            "prefill {n}: f32 {a:.0} tok/s, native in-loop {b:.0} ({:.2}x), native prepacked {c:.0} ({:.2}x)",
-            b / a,
-            c / a
+            "{w:?} / f32: median {:.3} of {rounds}",
+            common::stats::summarize(r).median
         );
     }
     Ok(())

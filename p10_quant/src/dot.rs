@@ -138,6 +138,60 @@ impl Dot {
 }
 
 impl Dot {
+    /// Whether [`Dot::expand_sliver_q4_1`] has a fast path here (AVX-512:
+    /// expansion and transpose in registers), so prefill should hand p02
+    /// packed slivers rather than rows.
+    pub fn expands_slivers(self) -> bool {
+        matches!(self.isa, Isa::Avx512 | Isa::Avx512Vnni)
+    }
+
+    /// Rows j0..j0 + count of a Q4_1 matrix with `per` blocks a row, blocks
+    /// b0..b0 + nb of each, into Project 02's packed sliver of width nr
+    /// (`p02_matmul_bench::weight_rows::ProduceSliver`): dst[p·nr + c] =
+    /// W[j0 + c, 32·b0 + p], 0 for count ≤ c < nr. Each value is d·q + m
+    /// rounded once (fused), on every path, so the paths agree bit for bit.
+    /// Panics if a range is outside `w` or `dst`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn expand_sliver_q4_1(
+        self,
+        w: &[BlockQ4_1],
+        per: usize,
+        j0: usize,
+        count: usize,
+        b0: usize,
+        nb: usize,
+        nr: usize,
+        dst: &mut [f32],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if self.expands_slivers() && nr.is_multiple_of(16) {
+            // SAFETY: a `Dot` exists only for a path this CPU has; the
+            // kernel checks its ranges.
+            unsafe { crate::avx512::expand_sliver_q4_1(w, per, j0, count, b0, nb, nr, dst) };
+            return;
+        }
+        assert!(count <= nr && b0 + nb <= per && (j0 + count) * per <= w.len());
+        let dst = &mut dst[..QK * nb * nr];
+        for (p, d) in dst.chunks_exact_mut(nr).enumerate() {
+            for (c, v) in d.iter_mut().enumerate() {
+                *v = if c < count {
+                    let blk = &w[(j0 + c) * per + b0 + p / QK];
+                    let j = p % QK;
+                    let q = if j < QK / 2 {
+                        blk.qs[j] & 0x0f
+                    } else {
+                        blk.qs[j - QK / 2] >> 4
+                    };
+                    (q as f32).mul_add(f(blk.d), f(blk.m))
+                } else {
+                    0.0
+                };
+            }
+        }
+    }
+}
+
+impl Dot {
     /// Quantise activations (a whole number of 32-value blocks; several
     /// rows back to back give each row's blocks in turn) into `out` with
     /// this path. The SIMD quantiser (`avx2::quantize`, also used by the

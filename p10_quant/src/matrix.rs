@@ -363,7 +363,34 @@ impl QuantMatrix {
     ) -> Result<(), MatrixError> {
         let (n, k) = self.check_io(x, m, y)?;
         let gemm = MatrixError::Gemm;
-        if how == PanelExpansion::InLoop {
+        let opts = p02_matmul_bench::GemmOpts {
+            threads,
+            ..Default::default()
+        };
+        if let (PanelExpansion::InLoop, Blocks::Q4_1(w), None) =
+            (how, &self.blocks, &self.row_scale)
+        {
+            if self.dot.expands_slivers() {
+                // Straight into the packed sliver: no row-major scratch, no
+                // transpose.
+                let per = k / QK;
+                let produce =
+                    |j0: usize, count: usize, p0: usize, kc: usize, nr: usize, dst: &mut [f32]| {
+                        self.dot
+                            .expand_sliver_q4_1(w, per, j0, count, p0 / QK, kc / QK, nr, dst)
+                    };
+                return p02_matmul_bench::sgemm_weight_slivers(
+                    p02_matmul_bench::MatRef::row_major(x, m, k).map_err(gemm)?,
+                    n,
+                    QK,
+                    &produce,
+                    &mut p02_matmul_bench::MatMut::row_major(y, m, n).map_err(gemm)?,
+                    opts,
+                )
+                .map_err(gemm);
+            }
+        }
+        if how != PanelExpansion::Prepacked {
             // W[j0..j0 + count, p0..p0 + kc]: p0 and kc are whole blocks.
             let produce = |j0: usize, count: usize, p0: usize, kc: usize, out: &mut [f32]| {
                 self.expand_rows(j0, count, p0 / QK, kc, out)
@@ -540,29 +567,30 @@ fn fused_groups() -> bool {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PanelExpansion {
     /// One (K block, sliver) at a time inside p02's blocked loop, into the
-    /// panel the micro-kernel then reads from cache (the default).
+    /// panel the micro-kernel then reads from cache (the default): straight
+    /// into the packed layout where the kernel path can
+    /// ([`Dot::expands_slivers`], Q4_1), else as [`PanelExpansion::InLoopRows`].
     InLoop,
+    /// In the loop, as rows into a scratch that p02 then transposes.
+    InLoopRows,
     /// All of W first, into a whole packed copy (f32, 4 bytes a weight) that
     /// the GEMM then streams back from memory.
     Prepacked,
 }
 
-static PREPACKED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static EXPANSION: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
 /// Choose the prefill path's expansion, for side-by-side measurements
 /// (`examples/prefill_ab.rs`).
 pub fn set_panel_expansion(how: PanelExpansion) {
-    PREPACKED.store(
-        how == PanelExpansion::Prepacked,
-        std::sync::atomic::Ordering::Relaxed,
-    );
+    EXPANSION.store(how as u8, std::sync::atomic::Ordering::Relaxed);
 }
 
 pub fn panel_expansion() -> PanelExpansion {
-    if PREPACKED.load(std::sync::atomic::Ordering::Relaxed) {
-        PanelExpansion::Prepacked
-    } else {
-        PanelExpansion::InLoop
+    match EXPANSION.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => PanelExpansion::InLoopRows,
+        2 => PanelExpansion::Prepacked,
+        _ => PanelExpansion::InLoop,
     }
 }
 

@@ -439,3 +439,54 @@ fn weight_expansion_matches_the_dequantiser() {
         }
     }
 }
+
+/// Q4_1 rows expanded straight into p02's packed sliver, on every path,
+/// against the scalar layout loop (every value d·q + m fused, so bit for
+/// bit), and against the dequantiser (an ulp): partial slivers (count < nr,
+/// so zero columns), 16-row groups with 1 to 16 live rows, an nr that is
+/// not a multiple of 16 (the portable loop on every path), block offsets.
+#[test]
+fn sliver_expansion_is_the_transposed_rows() {
+    let mut rng = Rng::new(0x51);
+    let (rows, per) = (70, 5);
+    let w = raw_q4_1(&mut rng, rows * per);
+    let mut deq = vec![0.0f32; rows * per * QK];
+    dequantize_row(&w, &mut deq).unwrap();
+    let scalar = Dot::new(Isa::Scalar).unwrap();
+    for (j0, count, b0, nb, nr) in [
+        (0, 32, 0, 5, 32),
+        (3, 17, 1, 3, 32),
+        (40, 1, 4, 1, 32),
+        (50, 16, 0, 2, 16),
+        (60, 10, 2, 3, 48),
+        (1, 7, 0, 2, 8),
+    ] {
+        let mut want = vec![f32::NAN; QK * nb * nr];
+        scalar.expand_sliver_q4_1(&w, per, j0, count, b0, nb, nr, &mut want);
+        for (p, d) in want.chunks_exact(nr).enumerate() {
+            for (c, &v) in d.iter().enumerate() {
+                if c < count {
+                    let e = deq[(j0 + c) * per * QK + b0 * QK + p];
+                    let m = f16::from_bits(w[(j0 + c) * per + b0 + p / QK].m).to_f32();
+                    assert!(
+                        (v - e).abs() <= f32::EPSILON * (e.abs() + m.abs()),
+                        "({p}, {c})"
+                    );
+                } else {
+                    assert_eq!(v, 0.0, "padding ({p}, {c})");
+                }
+            }
+        }
+        for isa in Isa::available() {
+            let mut got = vec![f32::NAN; QK * nb * nr];
+            Dot::new(isa)
+                .unwrap()
+                .expand_sliver_q4_1(&w, per, j0, count, b0, nb, nr, &mut got);
+            let same = got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{isa}: rows {j0}+{count}, blocks {b0}+{nb}, nr {nr}");
+        }
+    }
+}

@@ -125,7 +125,11 @@ fn the_f32_path_is_the_dequantised_product() {
         for format in [Format::Q4_1, Format::Q8_0, Format::Q4_0, Format::I8Channel] {
             let mat = QuantMatrix::quantize(&w, n, k, format, Dot::new(isa).unwrap()).unwrap();
             let wd = mat.dequantize();
-            for how in [PanelExpansion::InLoop, PanelExpansion::Prepacked] {
+            for how in [
+                PanelExpansion::InLoop,
+                PanelExpansion::InLoopRows,
+                PanelExpansion::Prepacked,
+            ] {
                 let mut y = vec![0.0f32; m * n];
                 mat.matmul_f32_with(&x, m, &mut y, 2, how).unwrap();
                 for i in 0..m {
