@@ -80,6 +80,7 @@ fn pair(s: &[f32; 2]) -> __m128 {
 
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C.
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn q4_1(w: &[BlockQ4_1], x: QRowRef<'_>) -> f32 {
     let mut acc = _mm256_setzero_ps();
@@ -102,6 +103,7 @@ pub unsafe fn q4_1(w: &[BlockQ4_1], x: QRowRef<'_>) -> f32 {
 
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C.
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn q4_0(w: &[BlockQ4_0], x: QRowRef<'_>) -> f32 {
     let mut acc = _mm256_setzero_ps();
@@ -119,6 +121,7 @@ pub unsafe fn q4_0(w: &[BlockQ4_0], x: QRowRef<'_>) -> f32 {
 
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C.
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn q8_0(w: &[BlockQ8_0], x: QRowRef<'_>) -> f32 {
     let mut acc = _mm256_setzero_ps();
@@ -131,6 +134,10 @@ pub unsafe fn q8_0(w: &[BlockQ8_0], x: QRowRef<'_>) -> f32 {
     }
     hsum(acc)
 }
+
+crate::avx512::into!("avx2,fma,f16c", q4_1_into, q4_1, BlockQ4_1);
+crate::avx512::into!("avx2,fma,f16c", q4_0_into, q4_0, BlockQ4_0);
+crate::avx512::into!("avx2,fma,f16c", q8_0_into, q8_0, BlockQ8_0);
 
 /// Four groups of 8 bytes of `q` (a 32-byte vector) as 8 floats each.
 #[inline]

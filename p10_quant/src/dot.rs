@@ -85,6 +85,22 @@ impl Dot {
         dispatch!(self, q8_0(w, x))
     }
 
+    /// [`Dot::q4_1`] for each of the consecutive weight rows of `per`
+    /// blocks in `w` against one activation row, into `out` (one value per
+    /// row, each equal to `q4_1`'s for that row): the decode step's GEMV,
+    /// one call per thread's share of a matrix.
+    pub fn q4_1_into(self, w: &[BlockQ4_1], per: usize, x: QRowRef<'_>, out: &mut [f32]) {
+        dispatch!(self, q4_1_into(w, per, x, out))
+    }
+
+    pub fn q4_0_into(self, w: &[BlockQ4_0], per: usize, x: QRowRef<'_>, out: &mut [f32]) {
+        dispatch!(self, q4_0_into(w, per, x, out))
+    }
+
+    pub fn q8_0_into(self, w: &[BlockQ8_0], per: usize, x: QRowRef<'_>, out: &mut [f32]) {
+        dispatch!(self, q8_0_into(w, per, x, out))
+    }
+
     /// [`Dot::q4_1`] with the activations as GGUF blocks.
     pub fn q4_1_q8_1(self, w: &[BlockQ4_1], x: &[BlockQ8_1]) -> f32 {
         self.q4_1(w, QRow::from_q8_1(x).all())
@@ -308,6 +324,28 @@ pub mod scalar {
                 sum += sumi as f32 * (f(w.d) * d);
             }
             sum
+        }
+
+        pub fn q4_1_into(w: &[BlockQ4_1], per: usize, x: QRowRef<'_>, out: &mut [f32]) {
+            rows_into(w, per, out, |r| q4_1(r, x))
+        }
+
+        pub fn q4_0_into(w: &[BlockQ4_0], per: usize, x: QRowRef<'_>, out: &mut [f32]) {
+            rows_into(w, per, out, |r| q4_0(r, x))
+        }
+
+        pub fn q8_0_into(w: &[BlockQ8_0], per: usize, x: QRowRef<'_>, out: &mut [f32]) {
+            rows_into(w, per, out, |r| q8_0(r, x))
+        }
+
+        fn rows_into<B>(w: &[B], per: usize, out: &mut [f32], dot: impl Fn(&[B]) -> f32) {
+            if per == 0 {
+                out.fill(0.0);
+                return;
+            }
+            for (row, o) in w.chunks_exact(per).zip(out) {
+                *o = dot(row);
+            }
         }
 
         pub fn q8_0(w: &[BlockQ8_0], x: QRowRef<'_>) -> f32 {

@@ -105,20 +105,22 @@ impl QuantMatrix {
             // One arm per weight format: its blocks, its activation
             // blocks, its dot product.
             macro_rules! run {
-                ($variant:ident, $format:ident, $dot:ident) => {{
+                ($variant:ident, $format:ident, $dot:ident, $into:ident) => {{
                     let w = same(mats, |b| match b {
                         Blocks::$variant(b) => Some(&b[..]),
                         _ => None,
                     })?;
                     quantiser(dot).quantize(x, ActFormat::$format, xq)?;
                     let ws = &w[..mats.len()];
-                    rows_times(ws, outs, per, xq, m, pool, threads, |w, x| dot.$dot(w, x));
+                    let one = |w: &[_], x: QRowRef<'_>| dot.$dot(w, x);
+                    let into = |w: &[_], x: QRowRef<'_>, y: &mut [f32]| dot.$into(w, per, x, y);
+                    rows_times(ws, outs, per, xq, m, pool, threads, one, into);
                 }};
             }
             match &first.blocks {
-                Blocks::Q4_1(_) => run!(Q4_1, Q8_1, q4_1),
-                Blocks::Q4_0(_) => run!(Q4_0, Q8_0, q4_0),
-                Blocks::Q8_0(_) => run!(Q8_0, Q8_0, q8_0),
+                Blocks::Q4_1(_) => run!(Q4_1, Q8_1, q4_1, q4_1_into),
+                Blocks::Q4_0(_) => run!(Q4_0, Q8_0, q4_0, q4_0_into),
+                Blocks::Q8_0(_) => run!(Q8_0, Q8_0, q8_0, q8_0_into),
             }
             Ok::<(), GroupError>(())
         })?;
@@ -154,7 +156,8 @@ unsafe impl Sync for Out {}
 
 /// y_j[i, r] = dot(W_j[r], X[i]) for every row r of every matrix j (the
 /// rows of all of them split across threads as one range 0..Σ n_j) and
-/// every activation row i (in tiles, so W_j[r] is reused from L1).
+/// every activation row i (in tiles, so W_j[r] is reused from L1; one
+/// activation row, decode's case, is one `dot_into` call per matrix).
 #[allow(clippy::too_many_arguments)]
 fn rows_times<W: Sync>(
     ws: &[&[W]],
@@ -165,6 +168,7 @@ fn rows_times<W: Sync>(
     pool: &Pool,
     threads: usize,
     dot: impl Fn(&[W], QRowRef<'_>) -> f32 + Sync,
+    dot_into: impl Fn(&[W], QRowRef<'_>, &mut [f32]) + Sync,
 ) {
     const TILE: usize = 64;
     let total: usize = outs.iter().map(|o| o.rows).sum();
@@ -176,6 +180,15 @@ fn rows_times<W: Sync>(
             let hi = range.end.min(start + out.rows).saturating_sub(start);
             start += out.rows;
             let n = out.rows;
+            if m == 1 && lo < hi && !row_calls() {
+                // Decode: this thread's rows of W_j in one call, into y_j[lo..hi].
+                // SAFETY: hi ≤ n, so lo..hi is inside y_j (n long for one
+                // row); the ranges of different threads are disjoint, and
+                // y_j outlives `for_ranges`.
+                let y = unsafe { std::slice::from_raw_parts_mut(out.ptr.add(lo), hi - lo) };
+                dot_into(&w[lo * per..hi * per], xq.blocks(0..per), y);
+                continue;
+            }
             for i0 in (0..m).step_by(TILE) {
                 for r in lo..hi {
                     let wr = &w[r * per..(r + 1) * per];
@@ -220,4 +233,17 @@ fn quantiser(dot: crate::Dot) -> crate::Dot {
     } else {
         dot
     }
+}
+
+static ROW_CALLS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// At decode, call the kernel once per weight row (as before `dot_into`)
+/// rather than once per thread's share of a matrix, for before/after
+/// measurements (`examples/decode_ab.rs calls`). Off by default.
+pub fn set_row_calls(on: bool) {
+    ROW_CALLS.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn row_calls() -> bool {
+    ROW_CALLS.load(std::sync::atomic::Ordering::Relaxed)
 }

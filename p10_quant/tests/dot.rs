@@ -490,3 +490,69 @@ fn sliver_expansion_is_the_transposed_rows() {
         }
     }
 }
+
+/// The decode GEMV (`*_into`: many weight rows against one activation row,
+/// one call) gives each row's single-row product bit for bit, on every
+/// path; rows past `out`'s end are not computed, and empty rows give 0.
+#[test]
+fn many_rows_in_one_call_equal_row_by_row() {
+    let mut rng = Rng::new(0x1a);
+    for per in [1usize, 2, 7, 18] {
+        let rows = 9;
+        let w41 = raw_q4_1(&mut rng, rows * per);
+        let w80: Vec<BlockQ8_0> = (0..rows * per)
+            .map(|_| BlockQ8_0 {
+                d: h(rng.next_f64() as f32),
+                qs: raw_q8(&mut rng),
+            })
+            .collect();
+        let w40: Vec<BlockQ4_0> = (0..rows * per)
+            .map(|_| BlockQ4_0 {
+                d: h(rng.next_f64() as f32),
+                qs: std::array::from_fn(|_| rng.below(256) as u8),
+            })
+            .collect();
+        let x = normal(&mut rng, per * QK, 2.0);
+        for isa in Isa::available() {
+            let dot = Dot::new(isa).unwrap();
+            let (mut x1, mut x0) = (QRow::default(), QRow::default());
+            dot.quantize(&x, ActFormat::Q8_1, &mut x1).unwrap();
+            dot.quantize(&x, ActFormat::Q8_0, &mut x0).unwrap();
+            let (mut a, mut b, mut c) = (
+                vec![f32::NAN; rows + 1],
+                vec![f32::NAN; rows],
+                vec![f32::NAN; rows],
+            );
+            dot.q4_1_into(&w41, per, x1.all(), &mut a[..rows - 1]);
+            dot.q8_0_into(&w80, per, x0.all(), &mut b);
+            dot.q4_0_into(&w40, per, x0.all(), &mut c);
+            for r in 0..rows {
+                let row = r * per..(r + 1) * per;
+                if r < rows - 1 {
+                    assert_eq!(
+                        a[r].to_bits(),
+                        dot.q4_1(&w41[row.clone()], x1.all()).to_bits(),
+                        "{isa} q4_1 {per} {r}"
+                    );
+                }
+                assert_eq!(
+                    b[r].to_bits(),
+                    dot.q8_0(&w80[row.clone()], x0.all()).to_bits(),
+                    "{isa} q8_0 {per} {r}"
+                );
+                assert_eq!(
+                    c[r].to_bits(),
+                    dot.q4_0(&w40[row], x0.all()).to_bits(),
+                    "{isa} q4_0 {per} {r}"
+                );
+            }
+            assert!(
+                a[rows - 1].is_nan() && a[rows].is_nan(),
+                "{isa}: wrote past out"
+            );
+            let mut z = vec![f32::NAN; 3];
+            dot.q4_1_into(&[], 0, x1.blocks(0..0), &mut z);
+            assert_eq!(z, [0.0; 3], "{isa}: empty rows");
+        }
+    }
+}
