@@ -46,9 +46,8 @@ fn f16x4(a: u32, b: u32) -> __m128 {
 /// Two activation blocks' [d, s] as [d0, s0, d1, s1].
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-fn scales2(s: &[[f32; 2]]) -> __m128 {
-    debug_assert!(s.len() >= 2);
-    // SAFETY: callers pass two blocks' scales (16 readable bytes).
+fn scales2(s: &[[f32; 2]; 2]) -> __m128 {
+    // SAFETY: two blocks' scales are 16 readable bytes; the load is unaligned.
     unsafe { _mm_loadu_ps(s.as_ptr().cast()) }
 }
 
@@ -83,9 +82,8 @@ fn nibbles2(a: &[u8; 16], b: &[u8; 16]) -> __m512i {
 /// Two blocks' 32 codes each: 64 contiguous bytes of a `QRow`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-fn codes2(q: &[[i8; 32]]) -> __m512i {
-    debug_assert!(q.len() >= 2);
-    // SAFETY: callers pass two blocks' codes (64 readable bytes).
+fn codes2(q: &[[i8; 32]; 2]) -> __m512i {
+    // SAFETY: two blocks' codes are 64 readable bytes; the load is unaligned.
     unsafe { _mm512_loadu_si512(q.as_ptr().cast()) }
 }
 
@@ -307,7 +305,13 @@ macro_rules! kernels {
             let ahead = w.as_ptr();
             let pairs = w[..n - n % 2].chunks_exact(2);
             for (i, (w, (q, s))) in pairs
-                .zip(x.codes().chunks_exact(2).zip(x.scales().chunks_exact(2)))
+                .zip(
+                    x.codes()
+                        .as_chunks::<2>()
+                        .0
+                        .iter()
+                        .zip(x.scales().as_chunks::<2>().0),
+                )
                 .enumerate()
             {
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(2 * i + PREFETCH).cast());
@@ -343,7 +347,13 @@ macro_rules! kernels {
             let ahead = w.as_ptr();
             let pairs = w[..n - n % 2].chunks_exact(2);
             for (i, (w, (q, s))) in pairs
-                .zip(x.codes().chunks_exact(2).zip(x.scales().chunks_exact(2)))
+                .zip(
+                    x.codes()
+                        .as_chunks::<2>()
+                        .0
+                        .iter()
+                        .zip(x.scales().as_chunks::<2>().0),
+                )
                 .enumerate()
             {
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(2 * i + PREFETCH).cast());
@@ -371,7 +381,13 @@ macro_rules! kernels {
             let ahead = w.as_ptr();
             let pairs = w[..n - n % 2].chunks_exact(2);
             for (i, (w, (q, s))) in pairs
-                .zip(x.codes().chunks_exact(2).zip(x.scales().chunks_exact(2)))
+                .zip(
+                    x.codes()
+                        .as_chunks::<2>()
+                        .0
+                        .iter()
+                        .zip(x.scales().as_chunks::<2>().0),
+                )
                 .enumerate()
             {
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(2 * i + PREFETCH).cast());
