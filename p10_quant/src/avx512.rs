@@ -110,6 +110,28 @@ fn signed_pair(w: __m512i, x: __m512i) -> (__m512i, __m512i) {
     (_mm512_abs_epi8(w), x)
 }
 
+/// The whole pairs of blocks of a weight row and an activation row (the
+/// shorter's length; an odd last block is left out), with each pair's index.
+#[inline(always)]
+#[allow(clippy::type_complexity)]
+fn pairs<'a, B>(
+    w: &'a [B],
+    x: QRowRef<'a>,
+) -> impl Iterator<Item = (usize, &'a [B; 2], &'a [[i8; 32]; 2], &'a [[f32; 2]; 2])> {
+    let n = w.len().min(x.len()) & !1;
+    let (w, q, s) = (&w[..n], &x.codes()[..n], &x.scales()[..n]);
+    let (w, q, s) = (
+        w.as_chunks::<2>().0,
+        q.as_chunks::<2>().0,
+        s.as_chunks::<2>().0,
+    );
+    w.iter()
+        .zip(q)
+        .zip(s)
+        .enumerate()
+        .map(|(i, ((w, q), s))| (i, w, q, s))
+}
+
 #[inline(always)]
 fn word(lo: u16, hi: u16) -> u32 {
     lo as u32 | (hi as u32) << 16
@@ -303,17 +325,7 @@ macro_rules! kernels {
             // Lanes 1 and 3 collect m_w · s_x.
             let mut mins = _mm_setzero_ps();
             let ahead = w.as_ptr();
-            let pairs = w[..n - n % 2].chunks_exact(2);
-            for (i, (w, (q, s))) in pairs
-                .zip(
-                    x.codes()
-                        .as_chunks::<2>()
-                        .0
-                        .iter()
-                        .zip(x.scales().as_chunks::<2>().0),
-                )
-                .enumerate()
-            {
+            for (i, w, q, s) in pairs(&w[..n], x) {
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(2 * i + PREFETCH).cast());
                 // [d_w0·d_x0, m_w0·s_x0, d_w1·d_x1, m_w1·s_x1]
                 let s = _mm_mul_ps(
@@ -345,17 +357,7 @@ macro_rules! kernels {
             let mut acc = _mm512_setzero_ps();
             let eight = _mm512_set1_epi8(8);
             let ahead = w.as_ptr();
-            let pairs = w[..n - n % 2].chunks_exact(2);
-            for (i, (w, (q, s))) in pairs
-                .zip(
-                    x.codes()
-                        .as_chunks::<2>()
-                        .0
-                        .iter()
-                        .zip(x.scales().as_chunks::<2>().0),
-                )
-                .enumerate()
-            {
+            for (i, w, q, s) in pairs(&w[..n], x) {
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(2 * i + PREFETCH).cast());
                 let s = _mm_mul_ps(f16x4(w[0].d as u32, w[1].d as u32), scales2(s));
                 // Σ (nib − 8)·x = Σ nib·x − Σ 8·x: both u8 × i8.
@@ -379,17 +381,7 @@ macro_rules! kernels {
             let n = w.len().min(x.len());
             let mut acc = _mm512_setzero_ps();
             let ahead = w.as_ptr();
-            let pairs = w[..n - n % 2].chunks_exact(2);
-            for (i, (w, (q, s))) in pairs
-                .zip(
-                    x.codes()
-                        .as_chunks::<2>()
-                        .0
-                        .iter()
-                        .zip(x.scales().as_chunks::<2>().0),
-                )
-                .enumerate()
-            {
+            for (i, w, q, s) in pairs(&w[..n], x) {
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(2 * i + PREFETCH).cast());
                 let s = _mm_mul_ps(f16x4(w[0].d as u32, w[1].d as u32), scales2(s));
                 let (u, c) = signed_pair(weights8(&w[0].qs, &w[1].qs), codes2(q));
