@@ -135,9 +135,33 @@ pub unsafe fn q8_0(w: &[BlockQ8_0], x: QRowRef<'_>) -> f32 {
     hsum(acc)
 }
 
-crate::avx512::into!("avx2,fma,f16c", q4_1_into, q4_1, BlockQ4_1);
-crate::avx512::into!("avx2,fma,f16c", q4_0_into, q4_0, BlockQ4_0);
-crate::avx512::into!("avx2,fma,f16c", q8_0_into, q8_0, BlockQ8_0);
+/// `$name(w, per, x, out)`: `$one` for each of the consecutive weight rows
+/// of `per` blocks in `w`, against one activation row, into `out` (one
+/// value per row; rows past `out`'s end are not read). One call per
+/// thread's share of a matrix at decode: the per-row slicing, dispatch and
+/// call are paid once, and x's setup is hoisted out of the row loop.
+macro_rules! into {
+    ($features:literal, $name:ident, $one:ident, $B:ty) => {
+        /// # Safety
+        /// The CPU must have the features this function is compiled for.
+        #[target_feature(enable = $features)]
+        pub unsafe fn $name(w: &[$B], per: usize, x: QRowRef<'_>, out: &mut [f32]) {
+            if per == 0 {
+                out.fill(0.0);
+                return;
+            }
+            for (row, o) in w.chunks_exact(per).zip(out) {
+                // SAFETY: the same features.
+                *o = unsafe { $one(row, x) };
+            }
+        }
+    };
+}
+pub(crate) use into;
+
+into!("avx2,fma,f16c", q4_1_into, q4_1, BlockQ4_1);
+into!("avx2,fma,f16c", q4_0_into, q4_0, BlockQ4_0);
+into!("avx2,fma,f16c", q8_0_into, q8_0, BlockQ8_0);
 
 /// Four groups of 8 bytes of `q` (a 32-byte vector) as 8 floats each.
 #[inline]

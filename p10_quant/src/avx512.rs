@@ -284,30 +284,6 @@ pub unsafe fn expand_sliver_q4_1(
     }
 }
 
-/// `$name(w, per, x, out)`: `$one` for each of the consecutive weight rows
-/// of `per` blocks in `w`, against one activation row, into `out` (one
-/// value per row; rows past `out`'s end are not read). One call per
-/// thread's share of a matrix at decode: the per-row slicing, dispatch and
-/// call are paid once, and x's setup is hoisted out of the row loop.
-macro_rules! into {
-    ($features:literal, $name:ident, $one:ident, $B:ty) => {
-        /// # Safety
-        /// The CPU must have the features this function is compiled for.
-        #[target_feature(enable = $features)]
-        pub unsafe fn $name(w: &[$B], per: usize, x: QRowRef<'_>, out: &mut [f32]) {
-            if per == 0 {
-                out.fill(0.0);
-                return;
-            }
-            for (row, o) in w.chunks_exact(per).zip(out) {
-                // SAFETY: the same features.
-                *o = unsafe { $one(row, x) };
-            }
-        }
-    };
-}
-pub(crate) use into;
-
 /// The three products over pairs of blocks, for the module's `dot4` (Σ of
 /// u8 × i8 in groups of four → 16 lanes, as f32), with an odd last block
 /// left to AVX2.
@@ -395,9 +371,9 @@ macro_rules! kernels {
             sum
         }
 
-        into!($features, q4_1_into, q4_1, BlockQ4_1);
-        into!($features, q4_0_into, q4_0, BlockQ4_0);
-        into!($features, q8_0_into, q8_0, BlockQ8_0);
+        crate::avx2::into!($features, q4_1_into, q4_1, BlockQ4_1);
+        crate::avx2::into!($features, q4_0_into, q4_0, BlockQ4_0);
+        crate::avx2::into!($features, q8_0_into, q8_0, BlockQ8_0);
     };
 }
 
