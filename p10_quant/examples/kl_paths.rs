@@ -8,15 +8,14 @@ fn main() -> anyhow::Result<()> {
     let path =
         common::assets::ensure(common::assets::Asset::SmolLm2).map_err(anyhow::Error::msg)?;
     let f = p10_quant::loader::load(&path, false)?;
-    let tok = f.tokenizer.as_ref().unwrap();
-    let prompts: Vec<Vec<u32>> = [
-        "The keeper of the lighthouse wrote in his log every evening: the wind, the ships that passed, the colour of the sea.",
-        "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
-        "Photosynthesis is the process by which green plants use sunlight to make food from carbon dioxide and water.",
-    ]
-    .iter()
-    .map(|t| tok.encode(t))
-    .collect();
+    let tok = f
+        .tokenizer
+        .as_ref()
+        .ok_or_else(|| anyhow::anyhow!("the model has no tokenizer"))?;
+    let prompts: Vec<Vec<u32>> = p10_quant::bench::ACCURACY_PROMPTS
+        .iter()
+        .map(|t| tok.encode(t))
+        .collect();
     for isa in Isa::available() {
         let w = NativeWeights {
             dot: Dot::new(isa)?,

@@ -69,6 +69,13 @@ pub fn bytes_per_token(e: &LlamaEngine) -> usize {
         .sum()
 }
 
+/// The texts [`accuracy`] is measured on (prose, code, prose).
+pub const ACCURACY_PROMPTS: [&str; 3] = [
+    "The keeper of the lighthouse wrote in his log every evening: the wind, the ships that passed, the colour of the sea.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "Photosynthesis is the process by which green plants use sunlight to make food from carbon dioxide and water.",
+];
+
 /// (mean KL(f32 ‖ native) in nats, top-1 agreement) over every position.
 pub fn accuracy(f32e: &LlamaEngine, nat: &LlamaEngine, prompts: &[Vec<u32>]) -> Result<(f64, f64)> {
     use crate::perplexity::{kl, log_softmax};
@@ -182,14 +189,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         .tokenizer
         .as_ref()
         .context("the model has no tokenizer")?;
-    let prompts: Vec<Vec<u32>> = [
-        "The keeper of the lighthouse wrote in his log every evening: the wind, the ships that passed, the colour of the sea.",
-        "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
-        "Photosynthesis is the process by which green plants use sunlight to make food from carbon dioxide and water.",
-    ]
-    .iter()
-    .map(|t| tok.encode(t))
-    .collect();
+    let prompts: Vec<Vec<u32>> = ACCURACY_PROMPTS.iter().map(|t| tok.encode(t)).collect();
     // Every position through the integer path (decode's), not prefill's f32.
     let int = load_native(
         &path,
