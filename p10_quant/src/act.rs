@@ -35,6 +35,16 @@ pub struct QRow {
     scales: Vec<[f32; 2]>,
 }
 
+/// A Q8_1 block as a `QRow` holds it: its codes, and [d, s] in f32.
+pub(crate) fn q8_1_parts(b: &BlockQ8_1) -> ([i8; QK], [f32; 2]) {
+    (b.qs, [f(b.d), f(b.s)])
+}
+
+/// A Q8_0 block as a `QRow` holds it: its codes, and [d, 0] in f32.
+pub(crate) fn q8_0_parts(b: &BlockQ8_0) -> ([i8; QK], [f32; 2]) {
+    (b.qs, [f(b.d), 0.0])
+}
+
 /// Blocks `range` of a [`QRow`]: what a kernel reads.
 #[derive(Clone, Copy, Debug)]
 pub struct QRowRef<'a> {
@@ -44,17 +54,13 @@ pub struct QRowRef<'a> {
 
 impl QRow {
     pub fn from_q8_1(b: &[BlockQ8_1]) -> QRow {
-        QRow {
-            codes: b.iter().map(|b| b.qs).collect(),
-            scales: b.iter().map(|b| [f(b.d), f(b.s)]).collect(),
-        }
+        let (codes, scales) = b.iter().map(q8_1_parts).unzip();
+        QRow { codes, scales }
     }
 
     pub fn from_q8_0(b: &[BlockQ8_0]) -> QRow {
-        QRow {
-            codes: b.iter().map(|b| b.qs).collect(),
-            scales: b.iter().map(|b| [f(b.d), 0.0]).collect(),
-        }
+        let (codes, scales) = b.iter().map(q8_0_parts).unzip();
+        QRow { codes, scales }
     }
 
     /// Blocks.

@@ -236,14 +236,8 @@ impl Dot {
                     };
                     use crate::formats::Block;
                     (*c, *s) = match format {
-                        ActFormat::Q8_1 => {
-                            let b = BlockQ8_1::quantize(xb);
-                            (b.qs, [f(b.d), f(b.s)])
-                        }
-                        ActFormat::Q8_0 => {
-                            let b = BlockQ8_0::quantize(xb);
-                            (b.qs, [f(b.d), 0.0])
-                        }
+                        ActFormat::Q8_1 => crate::act::q8_1_parts(&BlockQ8_1::quantize(xb)),
+                        ActFormat::Q8_0 => crate::act::q8_0_parts(&BlockQ8_0::quantize(xb)),
                     };
                 }
             }

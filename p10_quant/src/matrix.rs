@@ -367,6 +367,8 @@ impl QuantMatrix {
             threads,
             ..Default::default()
         };
+        let a = p02_matmul_bench::MatRef::row_major(x, m, k).map_err(gemm)?;
+        let mut c = p02_matmul_bench::MatMut::row_major(y, m, n).map_err(gemm)?;
         if let (PanelExpansion::InLoop, Blocks::Q4_1(w), None) =
             (how, &self.blocks, &self.row_scale)
         {
@@ -379,15 +381,8 @@ impl QuantMatrix {
                         self.dot
                             .expand_sliver_q4_1(w, per, j0, count, p0 / QK, kc / QK, nr, dst)
                     };
-                return p02_matmul_bench::sgemm_weight_slivers(
-                    p02_matmul_bench::MatRef::row_major(x, m, k).map_err(gemm)?,
-                    n,
-                    QK,
-                    &produce,
-                    &mut p02_matmul_bench::MatMut::row_major(y, m, n).map_err(gemm)?,
-                    opts,
-                )
-                .map_err(gemm);
+                return p02_matmul_bench::sgemm_weight_slivers(a, n, QK, &produce, &mut c, opts)
+                    .map_err(gemm);
             }
         }
         if how != PanelExpansion::Prepacked {
@@ -395,18 +390,8 @@ impl QuantMatrix {
             let produce = |j0: usize, count: usize, p0: usize, kc: usize, out: &mut [f32]| {
                 self.expand_rows(j0, count, p0 / QK, kc, out)
             };
-            return p02_matmul_bench::sgemm_weight_rows(
-                p02_matmul_bench::MatRef::row_major(x, m, k).map_err(gemm)?,
-                n,
-                QK,
-                &produce,
-                &mut p02_matmul_bench::MatMut::row_major(y, m, n).map_err(gemm)?,
-                p02_matmul_bench::GemmOpts {
-                    threads,
-                    ..Default::default()
-                },
-            )
-            .map_err(gemm);
+            return p02_matmul_bench::sgemm_weight_rows(a, n, QK, &produce, &mut c, opts)
+                .map_err(gemm);
         }
         // Each weight row expanded once, straight into p02's packed panels.
         let buf = PACKED.with(|b| b.take());
@@ -414,15 +399,7 @@ impl QuantMatrix {
             p02_matmul_bench::PackedB::from_weight_rows_in(buf, n, k, threads, |j0, count, buf| {
                 self.expand_rows(j0, count, 0, k, buf)
             });
-        let r = p02_matmul_bench::sgemm_prepacked(
-            p02_matmul_bench::MatRef::row_major(x, m, k).map_err(gemm)?,
-            &packed,
-            &mut p02_matmul_bench::MatMut::row_major(y, m, n).map_err(gemm)?,
-            p02_matmul_bench::GemmOpts {
-                threads,
-                ..Default::default()
-            },
-        );
+        let r = p02_matmul_bench::sgemm_prepacked(a, &packed, &mut c, opts);
         PACKED.with(|b| b.replace(packed.into_buf()));
         r.map_err(gemm)
     }
