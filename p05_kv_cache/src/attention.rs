@@ -3,16 +3,18 @@
 //! runs of consecutive positions (one run for a contiguous cache, one per
 //! block for a paged one).
 //!
-//! Two paths, one result:
-//! - a sequence with one new token (decode) runs [`attend_row`] per head:
-//!   a dot product per cached position, a softmax, a weighted sum of values;
-//! - a sequence with several (a prompt or a chunk) runs [`prefill_head`] per
-//!   head: S = scale Q K^T and O = softmax(S) V as matrix products (sgemm).
+//! One path for every query row, a decode token or a prompt chunk's:
+//! [`attend_row`] per head, a dot product per visible position, a softmax,
+//! a weighted sum of values. A prompt's rows could run as two matrix
+//! products per head (S = scale Q Kᵀ, O = softmax(S) V), faster for long
+//! prompts, but their sums would then depend on how the prompt was chunked
+//! (one row or many per product), and a token's result must not: a
+//! sequence's outputs are the same whatever shares its steps.
 //!
-//! [`attend_naive`] is the reference both are tested against.
+//! [`attend_naive`] is the reference it is tested against.
 
 use common::batch::{Batch, KvStore};
-use p02_matmul_bench::{sgemm, GemmError, GemmOpts, MatMut, MatRef};
+use p02_matmul_bench::GemmError;
 use rayon::prelude::*;
 
 /// Below this many multiply-adds (over all decode rows) the decode rows'
@@ -130,95 +132,15 @@ pub fn attend_naive<S: KvStore + ?Sized>(
     out.into_iter().map(|x| x as f32).collect()
 }
 
-/// One head's causal attention for n queries (rows of `q`, stride
-/// n_head * head_dim) at positions p0..p0+n over positions 0..p0+n of the
-/// store, as matrix products per run of positions: S[:, run] = scale Q K_run^T,
-/// the causal mask and a row softmax, then O = sum over runs S[:, run] V_run.
-/// Returns O (n, head_dim).
-#[allow(clippy::too_many_arguments)]
-pub fn prefill_head<S: KvStore + ?Sized>(
-    q: &[f32],
-    store: &S,
-    layer: usize,
-    heads: Heads,
-    head: usize,
-    p0: usize,
-    n: usize,
-    scale: f32,
-) -> Result<Vec<f32>, GemmError> {
-    let (nh, hd) = (heads.n_head, heads.head_dim);
-    let keys_n = p0 + n;
-    let one = GemmOpts {
-        threads: 1,
-        ..GemmOpts::default()
-    };
-    let qh = MatRef::new(&q[head * hd..], n, hd, nh * hd, 1)?;
-    let mut s = vec![0.0f32; n * keys_n];
-    let mut result = Ok(());
-    store.for_each_run(layer, heads.kv_head(head), keys_n, &mut |r0, keys, _| {
-        let rl = keys.len() / hd;
-        let mut run = || -> Result<(), GemmError> {
-            let kt = MatRef::new(keys, rl, hd, hd, 1)?.t();
-            let mut c = MatMut::new(&mut s[r0..], n, rl, keys_n)?;
-            sgemm(
-                qh,
-                kt,
-                &mut c,
-                GemmOpts {
-                    alpha: scale,
-                    ..one
-                },
-            )
-        };
-        if result.is_ok() {
-            result = run();
-        }
-    });
-    std::mem::replace(&mut result, Ok(()))?;
-    for (i, row) in s.chunks_exact_mut(keys_n).enumerate() {
-        let visible = p0 + i + 1; // the causal mask: keys after position p0 + i are hidden
-        let max = row[..visible]
-            .iter()
-            .copied()
-            .fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0f32;
-        for x in &mut row[..visible] {
-            *x = (*x - max).exp();
-            sum += *x;
-        }
-        for x in &mut row[..visible] {
-            *x /= sum;
-        }
-        row[visible..].fill(0.0);
-    }
-    let mut o = vec![0.0f32; n * hd];
-    let mut first = true;
-    store.for_each_run(layer, heads.kv_head(head), keys_n, &mut |r0, _, values| {
-        let rl = values.len() / hd;
-        let mut run = || -> Result<(), GemmError> {
-            let p = MatRef::new(&s[r0..], n, rl, keys_n, 1)?;
-            let v = MatRef::new(values, rl, hd, hd, 1)?;
-            let beta = if first { 0.0 } else { 1.0 };
-            sgemm(
-                p,
-                v,
-                &mut MatMut::row_major(&mut o, n, hd)?,
-                GemmOpts { beta, ..one },
-            )
-        };
-        if result.is_ok() {
-            result = run();
-        }
-        first = false;
-    });
-    result?;
-    Ok(o)
-}
-
 /// The attention of a whole step, for one layer: `q` (n_tokens, n_head *
 /// head_dim), already rotated; the new K/V already written to each store.
-/// Writes `att` (n_tokens, n_head * head_dim). Decode rows run in parallel
-/// over rows; each prefill sequence runs its heads in parallel.
+/// Writes `att` (n_tokens, n_head * head_dim).
+///
+/// Every row, a decode token or one of a prompt chunk's, is one query
+/// through [`attend_row`] over its causal prefix (positions 0..=its own),
+/// so a token's attention is the same arithmetic however its prompt was
+/// chunked and whatever else shares the step (batch invariance). Rows run
+/// in parallel when the step's work is large enough.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_step<S: KvStore>(
     q: &[f32],
@@ -233,36 +155,33 @@ pub fn attention_step<S: KvStore>(
     let (nh, hd) = (heads.n_head, heads.head_dim);
     let width = nh * hd;
     let seqs = batch.seqs();
-    // Rows of one-token sequences: one task per row, its heads in turn.
-    // Score rows are as long as the largest store (not the current
-    // position), so a sequence's decode steps do not regrow them.
+    // Each row's sequence; score rows are as long as the largest store (not
+    // the current position), so a sequence's decode steps do not regrow them.
     scratch.row_seq.clear();
     let mut max_keys = 1;
     for (i, s) in seqs.iter().enumerate() {
         scratch.row_seq.extend(std::iter::repeat_n(i, s.len));
-        if s.len == 1 {
-            max_keys = max_keys.max(stores[i].capacity());
-        }
+        max_keys = max_keys.max(stores[i].capacity());
     }
     let need = batch.n_tokens() * max_keys;
     if scratch.scores.len() < need {
         scratch.scores.resize(need, 0.0);
     }
     let row_seq = &scratch.row_seq;
-    let decode_row = |row: usize, out: &mut [f32], scores: &mut [f32]| {
+    let one_row = |row: usize, out: &mut [f32], scores: &mut [f32]| {
         let si = row_seq[row];
         let s = seqs[si];
-        if s.len != 1 {
-            return;
-        }
         let store: &S = stores[si];
+        // The row's own position is start_pos + (row − offset): it sees
+        // every position up to and including it.
+        let upto = s.start_pos + (row - s.offset) + 1;
         for head in 0..nh {
             attend_row(
                 &q[row * width + head * hd..][..hd],
                 store,
                 layer,
                 heads.kv_head(head),
-                s.start_pos + 1,
+                upto,
                 scale,
                 scores,
                 &mut out[head * hd..(head + 1) * hd],
@@ -273,37 +192,22 @@ pub fn attention_step<S: KvStore>(
     // thread (one decode row at a short position, as p05's decode did).
     let work: usize = seqs
         .iter()
-        .filter(|s| s.len == 1)
-        .map(|s| (s.start_pos + 1) * width)
+        .map(|s| s.len * (s.start_pos + s.len.div_ceil(2)) * width)
         .sum();
+    let rows = att
+        .chunks_exact_mut(width)
+        .zip(scratch.scores.chunks_exact_mut(max_keys))
+        .take(batch.n_tokens());
     if work < PAR_MIN_MACS {
-        for (row, (out, scores)) in att
-            .chunks_exact_mut(width)
-            .zip(scratch.scores.chunks_exact_mut(max_keys))
-            .enumerate()
-        {
-            decode_row(row, out, scores);
+        for (row, (out, scores)) in rows.enumerate() {
+            one_row(row, out, scores);
         }
     } else {
         att.par_chunks_mut(width)
             .zip(scratch.scores.par_chunks_mut(max_keys))
+            .take(batch.n_tokens())
             .enumerate()
-            .for_each(|(row, (out, scores))| decode_row(row, out, scores));
-    }
-    // Sequences with several new tokens: per head, two matrix products.
-    for (si, s) in seqs.iter().enumerate().filter(|(_, s)| s.len > 1) {
-        let store: &S = stores[si];
-        let qs = &q[s.offset * width..(s.offset + s.len) * width];
-        let per_head: Vec<Vec<f32>> = (0..nh)
-            .into_par_iter()
-            .map(|head| prefill_head(qs, store, layer, heads, head, s.start_pos, s.len, scale))
-            .collect::<Result<_, _>>()?;
-        for (head, oh) in per_head.iter().enumerate() {
-            for i in 0..s.len {
-                att[(s.offset + i) * width + head * hd..][..hd]
-                    .copy_from_slice(&oh[i * hd..(i + 1) * hd]);
-            }
-        }
+            .for_each(|(row, (out, scores))| one_row(row, out, scores));
     }
     Ok(())
 }

@@ -3,7 +3,6 @@
 //! `cargo run --release -p p10_quant --example decode_ab [rounds] [fused|quantiser]`.
 //! `fused` (the default): q/k/v and gate/up fused into groups vs one by one.
 //! `quantiser`: activations quantised by the SIMD quantiser vs the scalar one.
-//! `calls`: one kernel call per thread's share of a matrix vs one per row.
 //! `isa NARROW WIDE` (e.g. `isa avx2 avx512vnni`): the same weights on two
 //! kernel paths (two engines over one mapped file).
 fn main() -> anyhow::Result<()> {
@@ -17,12 +16,10 @@ fn main() -> anyhow::Result<()> {
     let set: fn(bool) = match what.as_str() {
         "fused" => p10_quant::matrix::set_fused_groups,
         "quantiser" => |on| p10_quant::int_path::set_scalar_quantiser(!on),
-        "calls" => |on| p10_quant::int_path::set_row_calls(!on),
-        other => anyhow::bail!("unknown comparison `{other}` (fused|quantiser|calls|isa)"),
+        other => anyhow::bail!("unknown comparison `{other}` (fused|quantiser|isa)"),
     };
     let (before, after) = match what.as_str() {
         "fused" => ("one by one", "fused"),
-        "calls" => ("a call per row", "a call per share"),
         _ => ("scalar quantiser", "SIMD quantiser"),
     };
     let loaded = p10_quant::loader::load(&path, true)?;

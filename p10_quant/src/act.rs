@@ -9,6 +9,7 @@
 //! ```text
 //!   codes:  [q_0 (32 × i8)][q_1 (32 × i8)] ...   two blocks = one 64-byte load
 //!   scales: [d_0, s_0][d_1, s_1] ...            f32; s = d·Σq (Q8_1), 0 (Q8_0)
+//!   sums:   Σq_0, Σq_1, ...                     i32, exact
 //! ```
 //!
 //! f16 → f32 is exact, so a dot product over a `QRow` is the same
@@ -33,6 +34,8 @@ pub enum ActFormat {
 pub struct QRow {
     codes: Vec<[i8; QK]>,
     scales: Vec<[f32; 2]>,
+    /// Σ codes per block (exact): Q4_0's −8 and Q8_0's +128 offsets.
+    sums: Vec<i32>,
 }
 
 /// A Q8_1 block as a `QRow` holds it: its codes, and [d, s] in f32.
@@ -50,17 +53,38 @@ pub(crate) fn q8_0_parts(b: &BlockQ8_0) -> ([i8; QK], [f32; 2]) {
 pub struct QRowRef<'a> {
     codes: &'a [[i8; QK]],
     scales: &'a [[f32; 2]],
+    sums: &'a [i32],
 }
 
 impl QRow {
     pub fn from_q8_1(b: &[BlockQ8_1]) -> QRow {
         let (codes, scales) = b.iter().map(q8_1_parts).unzip();
-        QRow { codes, scales }
+        QRow::with_sums(codes, scales)
     }
 
     pub fn from_q8_0(b: &[BlockQ8_0]) -> QRow {
         let (codes, scales) = b.iter().map(q8_0_parts).unzip();
-        QRow { codes, scales }
+        QRow::with_sums(codes, scales)
+    }
+
+    fn with_sums(codes: Vec<[i8; QK]>, scales: Vec<[f32; 2]>) -> QRow {
+        let mut q = QRow {
+            codes,
+            scales,
+            sums: Vec::new(),
+        };
+        q.fill_sums();
+        q
+    }
+
+    /// Σ codes of every block, after a quantiser filled the codes.
+    pub(crate) fn fill_sums(&mut self) {
+        self.sums.clear();
+        self.sums.extend(
+            self.codes
+                .iter()
+                .map(|c| c.iter().map(|&q| q as i32).sum::<i32>()),
+        );
     }
 
     /// Blocks.
@@ -76,7 +100,8 @@ impl QRow {
     pub fn blocks(&self, r: Range<usize>) -> QRowRef<'_> {
         QRowRef {
             codes: &self.codes[r.clone()],
-            scales: &self.scales[r],
+            scales: &self.scales[r.clone()],
+            sums: &self.sums[r],
         }
     }
 
@@ -112,11 +137,17 @@ impl<'a> QRowRef<'a> {
         self.scales
     }
 
+    /// Σ codes per block.
+    pub fn sums(&self) -> &'a [i32] {
+        self.sums
+    }
+
     /// Blocks `r` of this part.
     pub fn slice(&self, r: Range<usize>) -> QRowRef<'a> {
         QRowRef {
             codes: &self.codes[r.clone()],
-            scales: &self.scales[r],
+            scales: &self.scales[r.clone()],
+            sums: &self.sums[r],
         }
     }
 }

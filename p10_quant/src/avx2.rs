@@ -1,32 +1,18 @@
-//! The AVX2 dot products (x86-64 with AVX2, FMA and F16C). Per block:
-//! expand the weights to 32 bytes, `maddubs` (u8 × i8 → pairs summed to
-//! i16), `madd` with ones (→ eight i32), convert, and one FMA with the
-//! block's combined scale. The weights' scales are read two f16 at a time
-//! (`d` and `m` sit next to each other) and converted with one
-//! `vcvtph2ps`; the activations' are f32 already (`act::QRow`).
-//!
-//! `maddubs` needs one unsigned operand: the 4-bit weights of Q4_1 are
-//! (0..15); signed pairs use the sign trick, |w| · (x with w's sign), which
-//! holds for |q| ≤ 127 (every quantiser here stays there; ggml's too).
+//! AVX2 helpers (x86-64 with AVX2, FMA and F16C) of the paths that are
+//! not the tile kernels (`avx2_tile.rs`): activations quantised to 8 bits
+//! (used by the AVX-512 paths too) and weights expanded to f32 for the f32
+//! prefill path.
 
 use std::arch::x86_64::*;
 
-use crate::act::{ActFormat, QRowRef};
-use crate::formats::{BlockQ4_0, BlockQ4_1, BlockQ8_0};
+use crate::act::ActFormat;
+use crate::formats::{BlockQ4_1, BlockQ8_0};
 
 /// Two adjacent f16 (bits `lo`, `hi`) as lanes 0 and 1 of a vector.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn f16x2(lo: u16, hi: u16) -> __m128 {
     _mm_cvtph_ps(_mm_cvtsi32_si128((lo as u32 | (hi as u32) << 16) as i32))
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
 }
 
 /// 16 bytes of nibbles → 32 bytes: low nibbles (elements 0..16) in the low
@@ -47,121 +33,6 @@ fn load32(qs: &[i8; 32]) -> __m256i {
     // SAFETY: `qs` is 32 readable bytes; the load is unaligned.
     unsafe { _mm256_loadu_si256(qs.as_ptr().cast()) }
 }
-
-/// Σ over the block of u8 × i8, as eight i32 lanes in f32.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn dot_u8_i8(u: __m256i, s: __m256i) -> __m256 {
-    let pairs = _mm256_maddubs_epi16(u, s);
-    _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
-}
-
-/// Σ over the block of i8 × i8 (both |q| ≤ 127).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn dot_i8_i8(a: __m256i, b: __m256i) -> __m256 {
-    dot_u8_i8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a))
-}
-
-/// How many blocks ahead the weight loops prefetch: 64 Q4_1 blocks are
-/// 1,280 bytes, about 200 ns of this loop's streaming, a DRAM latency or
-/// two. Chosen by interleaved decode runs in one process: 16 / 32 / 64 /
-/// 128 blocks gave 77.8 / 80.7 / 83.6 / 84.2 tok/s (medians of 6), and
-/// 16 / 64 / 256 / 512 gave 83.5 / 86.3 / 84.9 / 85.7.
-const PREFETCH: usize = 64;
-
-/// [d_x, s_x] of one activation block (8 bytes) in lanes 0 and 1.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn pair(s: &[f32; 2]) -> __m128 {
-    // SAFETY: `s` is 8 readable bytes; the load is unaligned.
-    unsafe { _mm_castpd_ps(_mm_load_sd(s.as_ptr().cast())) }
-}
-
-/// # Safety
-/// The CPU must have AVX2, FMA and F16C.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn q4_1(w: &[BlockQ4_1], x: QRowRef<'_>) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    // Lane 1 collects m_w · s_x.
-    let mut mins = _mm_setzero_ps();
-    let ahead = w.as_ptr();
-    for (i, ((w, q), s)) in w.iter().zip(x.codes()).zip(x.scales()).enumerate() {
-        // The weights stream from memory: ask for the line PREFETCH blocks
-        // ahead (past the row's end it is the next row's, which the same
-        // thread reads next; a prefetch never faults).
-        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(i + PREFETCH).cast());
-        // (d_w·d_x, m_w·s_x, ..)
-        let scales = _mm_mul_ps(f16x2(w.d, w.m), pair(s));
-        mins = _mm_add_ps(mins, scales);
-        let p = dot_u8_i8(nibbles(&w.qs), load32(q));
-        acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(scales), p, acc);
-    }
-    hsum(acc) + _mm_cvtss_f32(_mm_movehdup_ps(mins))
-}
-
-/// # Safety
-/// The CPU must have AVX2, FMA and F16C.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn q4_0(w: &[BlockQ4_0], x: QRowRef<'_>) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    let eight = _mm256_set1_epi8(8);
-    let ahead = w.as_ptr();
-    for (i, ((w, q), s)) in w.iter().zip(x.codes()).zip(x.scales()).enumerate() {
-        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(i + PREFETCH).cast());
-        let d = _mm_mul_ps(f16x2(w.d, 0), pair(s));
-        let qw = _mm256_sub_epi8(nibbles(&w.qs), eight);
-        let p = dot_i8_i8(qw, load32(q));
-        acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(d), p, acc);
-    }
-    hsum(acc)
-}
-
-/// # Safety
-/// The CPU must have AVX2, FMA and F16C.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn q8_0(w: &[BlockQ8_0], x: QRowRef<'_>) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    let ahead = w.as_ptr();
-    for (i, ((w, q), s)) in w.iter().zip(x.codes()).zip(x.scales()).enumerate() {
-        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(i + PREFETCH).cast());
-        let d = _mm_mul_ps(f16x2(w.d, 0), pair(s));
-        let p = dot_i8_i8(load32(&w.qs), load32(q));
-        acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(d), p, acc);
-    }
-    hsum(acc)
-}
-
-/// `$name(w, per, x, out)`: `$one` for each of the consecutive weight rows
-/// of `per` blocks in `w`, against one activation row, into `out` (one
-/// value per row; rows past `out`'s end are not read). One call per
-/// thread's share of a matrix at decode: the per-row slicing, dispatch and
-/// call are paid once, and x's setup is hoisted out of the row loop.
-macro_rules! into {
-    ($features:literal, $name:ident, $one:ident, $B:ty) => {
-        /// # Safety
-        /// The CPU must have the features this function is compiled for.
-        #[target_feature(enable = $features)]
-        pub unsafe fn $name(w: &[$B], per: usize, x: QRowRef<'_>, out: &mut [f32]) {
-            if per == 0 {
-                out.fill(0.0);
-                return;
-            }
-            for (row, o) in w.chunks_exact(per).zip(out) {
-                // SAFETY: the same features.
-                *o = unsafe { $one(row, x) };
-            }
-        }
-    };
-}
-pub(crate) use into;
-
-into!("avx2,fma,f16c", q4_1_into, q4_1, BlockQ4_1);
-into!("avx2,fma,f16c", q4_0_into, q4_0, BlockQ4_0);
-into!("avx2,fma,f16c", q8_0_into, q8_0, BlockQ8_0);
 
 /// Four groups of 8 bytes of `q` (a 32-byte vector) as 8 floats each.
 #[inline]

@@ -19,6 +19,9 @@
 use crate::act::{ActFormat, QRow, QRowRef};
 use crate::formats::{f, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, FormatError, QK};
 use crate::isa::Isa;
+use crate::panel::Panels;
+use crate::tile::OutRows;
+use std::ops::Range;
 
 /// Why a kernel path cannot be used.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -32,24 +35,24 @@ pub struct Dot {
     isa: Isa,
 }
 
-/// One product on `dot`'s path: each SIMD module has a function of the
-/// scalar reference's name and signature.
-macro_rules! dispatch {
+/// One tile product on `dot`'s path (`tile.rs`): each module has a
+/// function of the scalar reference's name and signature.
+macro_rules! dispatch_tiles {
     ($dot:expr, $f:ident($($a:expr),*)) => {
         match $dot.isa {
-            Isa::Scalar => scalar::row::$f($($a),*),
+            Isa::Scalar => crate::tile::reference($($a),*),
             // SAFETY: a `Dot` exists only for a path whose CPU features
             // this machine has (see `Dot::new`, `Isa::available`).
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { crate::avx2::$f($($a),*) },
+            Isa::Avx2 => unsafe { crate::avx2_tile::$f($($a),*) },
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { crate::avx512::plain::$f($($a),*) },
+            Isa::Avx512 => unsafe { crate::avx512_tile::plain::$f($($a),*) },
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512Vnni => unsafe { crate::avx512::vnni::$f($($a),*) },
+            Isa::Avx512Vnni => unsafe { crate::avx512_tile::vnni::$f($($a),*) },
             #[cfg(not(target_arch = "x86_64"))]
-            _ => scalar::row::$f($($a),*),
+            _ => crate::tile::reference($($a),*),
         }
     };
 }
@@ -72,33 +75,42 @@ impl Dot {
         self.isa
     }
 
-    /// Σ over blocks, of the shorter of the two rows.
+    /// y[i, r] = dot(W[r], X[i]) for the weight rows of `groups` of `p`
+    /// (16 a group; out's column 0 is row 16·groups.start) and the
+    /// m = out.m() activation rows of `x` (p.per() blocks each): the
+    /// integer kernel family (`tile.rs`), every output summed in one fixed
+    /// order on every path, whatever m is. A shape that does not fit
+    /// writes nothing.
+    pub fn tiles(self, p: &Panels, groups: Range<usize>, x: QRowRef<'_>, out: OutRows) {
+        dispatch_tiles!(self, tiles(p, groups, x, out))
+    }
+
+    /// One weight row against one activation row (Σ over the blocks of
+    /// the shorter row): the tile family at m = n = 1, the row repacked
+    /// first. For tests and one-off use; products go through
+    /// [`crate::QuantMatrix`], which packs once.
     pub fn q4_1(self, w: &[BlockQ4_1], x: QRowRef<'_>) -> f32 {
-        dispatch!(self, q4_1(w, x))
+        let per = w.len().min(x.len());
+        self.one(&Panels::from_q4_1(&w[..per], 1, per), x)
     }
 
     pub fn q4_0(self, w: &[BlockQ4_0], x: QRowRef<'_>) -> f32 {
-        dispatch!(self, q4_0(w, x))
+        let per = w.len().min(x.len());
+        self.one(&Panels::from_q4_0(&w[..per], 1, per), x)
     }
 
     pub fn q8_0(self, w: &[BlockQ8_0], x: QRowRef<'_>) -> f32 {
-        dispatch!(self, q8_0(w, x))
+        let per = w.len().min(x.len());
+        self.one(&Panels::from_q8_0(&w[..per], 1, per), x)
     }
 
-    /// [`Dot::q4_1`] for each of the consecutive weight rows of `per`
-    /// blocks in `w` against one activation row, into `out` (one value per
-    /// row, each equal to `q4_1`'s for that row): the decode step's GEMV,
-    /// one call per thread's share of a matrix.
-    pub fn q4_1_into(self, w: &[BlockQ4_1], per: usize, x: QRowRef<'_>, out: &mut [f32]) {
-        dispatch!(self, q4_1_into(w, per, x, out))
-    }
-
-    pub fn q4_0_into(self, w: &[BlockQ4_0], per: usize, x: QRowRef<'_>, out: &mut [f32]) {
-        dispatch!(self, q4_0_into(w, per, x, out))
-    }
-
-    pub fn q8_0_into(self, w: &[BlockQ8_0], per: usize, x: QRowRef<'_>, out: &mut [f32]) {
-        dispatch!(self, q8_0_into(w, per, x, out))
+    /// The value of a one-row panel against x's first blocks.
+    fn one(self, p: &Panels, x: QRowRef<'_>) -> f32 {
+        let mut y = [0.0f32];
+        if let Some(o) = OutRows::new(&mut y, 1, 1, 1) {
+            self.tiles(p, 0..1, x.slice(0..p.per()), o);
+        }
+        y[0]
     }
 
     /// [`Dot::q4_1`] with the activations as GGUF blocks.
@@ -242,6 +254,7 @@ impl Dot {
                 }
             }
         }
+        out.fill_sums();
         Ok(())
     }
 }

@@ -6,8 +6,8 @@
 //! matmul_int_group([W_0, W_1, ..], x (m, k), [y_0, y_1, ..]):
 //!   xq = quantize each row of x                 (m, k/32) blocks, once
 //!   rows of all W_j in one range 0..Σ n_j, split across the pool's threads:
-//!     for each tile of 64 activation rows i:    (the weight row stays in L1)
-//!       y_j[i, r] = dot(W_j[r], xq[i])
+//!     y_j[:, rows] = the tile kernels over those rows and every row of xq
+//!                    (`tile.rs`: register tiles, one fixed order per output)
 //! ```
 //!
 //! A group costs one quantisation and one dispatch instead of one each:
@@ -16,10 +16,11 @@
 
 use std::cell::RefCell;
 
-use crate::act::{ActFormat, QRow, QRowRef};
-use crate::formats::QK;
-use crate::matrix::{Blocks, MatrixError, QuantMatrix};
+use crate::act::{ActFormat, QRow};
+use crate::matrix::{MatrixError, QuantMatrix};
+use crate::panel::{Panels, GROUP};
 use crate::pool::Pool;
+use crate::tile::{Kind, OutRows};
 use p04_transformer::proj::MAX_GROUP;
 
 /// Why a group cannot run fused.
@@ -101,27 +102,17 @@ impl QuantMatrix {
         SCRATCH.with(|s| {
             let mut s = s.borrow_mut();
             let xq = &mut s.xq;
-            let per = first.cols / QK;
-            // One arm per weight format: its blocks, its activation
-            // blocks, its dot product.
-            macro_rules! run {
-                ($variant:ident, $format:ident, $dot:ident, $into:ident) => {{
-                    let w = same(mats, |b| match b {
-                        Blocks::$variant(b) => Some(&b[..]),
-                        _ => None,
-                    })?;
-                    quantiser(dot).quantize(x, ActFormat::$format, xq)?;
-                    let ws = &w[..mats.len()];
-                    let one = |w: &[_], x: QRowRef<'_>| dot.$dot(w, x);
-                    let into = |w: &[_], x: QRowRef<'_>, y: &mut [f32]| dot.$into(w, per, x, y);
-                    rows_times(ws, outs, per, xq, m, pool, threads, one, into);
-                }};
+            let format = match first.panels.kind() {
+                Kind::Q4_1 => ActFormat::Q8_1,
+                Kind::Q4_0 | Kind::Q8_0 => ActFormat::Q8_0,
+            };
+            if mats.iter().any(|w| w.panels.kind() != first.panels.kind()) {
+                return Err(GroupError::Mixed);
             }
-            match &first.blocks {
-                Blocks::Q4_1(_) => run!(Q4_1, Q8_1, q4_1, q4_1_into),
-                Blocks::Q4_0(_) => run!(Q4_0, Q8_0, q4_0, q4_0_into),
-                Blocks::Q8_0(_) => run!(Q8_0, Q8_0, q8_0, q8_0_into),
-            }
+            quantiser(dot).quantize(x, format, xq)?;
+            let ps: [&Panels; MAX_GROUP] =
+                std::array::from_fn(|j| &mats[j.min(mats.len() - 1)].panels);
+            rows_times(&ps[..mats.len()], outs, xq, m, pool, threads, dot);
             Ok::<(), GroupError>(())
         })?;
         for (w, y) in mats.iter().zip(ys.iter_mut()) {
@@ -129,19 +120,6 @@ impl QuantMatrix {
         }
         Ok(())
     }
-}
-
-/// Every matrix's blocks as the first one's format, or `Mixed` (at most
-/// MAX_GROUP matrices; the unused entries empty).
-fn same<'a, B>(
-    mats: &[&'a QuantMatrix],
-    get: impl Fn(&'a Blocks) -> Option<&'a [B]>,
-) -> Result<[&'a [B]; MAX_GROUP], GroupError> {
-    let mut out: [&[B]; MAX_GROUP] = [&[]; MAX_GROUP];
-    for (o, w) in out.iter_mut().zip(mats) {
-        *o = get(&w.blocks).ok_or(GroupError::Mixed)?;
-    }
-    Ok(out)
 }
 
 /// One output of a group: y_j's pointer and its row count n_j, shared by
@@ -154,55 +132,37 @@ struct Out {
 // SAFETY: used only as described at the write in `rows_times`.
 unsafe impl Sync for Out {}
 
-/// y_j[i, r] = dot(W_j[r], X[i]) for every row r of every matrix j (the
-/// rows of all of them split across threads as one range 0..Σ n_j) and
-/// every activation row i (in tiles, so W_j[r] is reused from L1; one
-/// activation row, decode's case, is one `dot_into` call per matrix).
-#[allow(clippy::too_many_arguments)]
-fn rows_times<W: Sync>(
-    ws: &[&[W]],
+/// y_j[i, r] = dot(W_j[r], X[i]) for every row r of every matrix j and
+/// every activation row i. The groups of 16 rows of all matrices are split
+/// across threads as one range 0..Σ groups_j, so the split depends on the
+/// matrices, never on m; each thread makes one tile-kernel call per matrix
+/// over its groups and all of X.
+fn rows_times(
+    ps: &[&Panels],
     outs: &[Out],
-    per: usize,
     xq: &QRow,
     m: usize,
     pool: &Pool,
     threads: usize,
-    dot: impl Fn(&[W], QRowRef<'_>) -> f32 + Sync,
-    dot_into: impl Fn(&[W], QRowRef<'_>, &mut [f32]) + Sync,
+    dot: crate::Dot,
 ) {
-    const TILE: usize = 64;
-    let total: usize = outs.iter().map(|o| o.rows).sum();
+    let total: usize = ps.iter().map(|p| p.groups()).sum();
     pool.for_ranges(total, threads, &|range| {
         let mut start = 0;
-        for (w, out) in ws.iter().zip(outs) {
-            // This matrix's rows inside `range`, in its own numbering.
+        for (p, out) in ps.iter().zip(outs) {
+            // This matrix's groups inside `range`, in its own numbering.
             let lo = range.start.max(start) - start;
-            let hi = range.end.min(start + out.rows).saturating_sub(start);
-            start += out.rows;
-            let n = out.rows;
-            if m == 1 && lo < hi && !row_calls() {
-                // Decode: this thread's rows of W_j in one call, into y_j[lo..hi].
-                // SAFETY: hi ≤ n, so lo..hi is inside y_j (n long for one
-                // row); the ranges of different threads are disjoint, and
-                // y_j outlives `for_ranges`.
-                let y = unsafe { std::slice::from_raw_parts_mut(out.ptr.add(lo), hi - lo) };
-                dot_into(&w[lo * per..hi * per], xq.blocks(0..per), y);
+            let hi = range.end.min(start + p.groups()).saturating_sub(start);
+            start += p.groups();
+            if lo >= hi {
                 continue;
             }
-            for i0 in (0..m).step_by(TILE) {
-                for r in lo..hi {
-                    let wr = &w[r * per..(r + 1) * per];
-                    for i in i0..(i0 + TILE).min(m) {
-                        let v = dot(wr, xq.blocks(i * per..(i + 1) * per));
-                        // SAFETY: i < m and r < n, so the index is inside
-                        // y_j (m·n long, checked by `check_io`); each row of
-                        // the group belongs to one range, so no two threads
-                        // write the same element, and y_j outlives
-                        // `for_ranges`.
-                        unsafe { *out.ptr.add(i * n + r) = v };
-                    }
-                }
-            }
+            let (c0, c1) = (lo * GROUP, (hi * GROUP).min(out.rows));
+            // SAFETY: y_j is (m, n_j), checked by `check_io`; this thread
+            // writes columns c0..c1 of its m rows, which no other thread's
+            // range covers, and y_j outlives `for_ranges`.
+            let y = unsafe { OutRows::from_raw(out.ptr.add(c0), m, c1 - c0, out.rows) };
+            dot.tiles(p, lo..hi, xq.blocks(0..m * p.per()), y);
         }
     });
 }
@@ -233,17 +193,4 @@ fn quantiser(dot: crate::Dot) -> crate::Dot {
     } else {
         dot
     }
-}
-
-static ROW_CALLS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// At decode, call the kernel once per weight row (as before `dot_into`)
-/// rather than once per thread's share of a matrix, for before/after
-/// measurements (`examples/decode_ab.rs calls`). Off by default.
-pub fn set_row_calls(on: bool) {
-    ROW_CALLS.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
-fn row_calls() -> bool {
-    ROW_CALLS.load(std::sync::atomic::Ordering::Relaxed)
 }

@@ -18,7 +18,11 @@ pub mod act;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
+mod avx2_tile;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod avx512_tile;
 #[cfg(feature = "bench")]
 pub mod bench;
 pub mod dot;
@@ -29,10 +33,12 @@ pub mod int_path;
 pub mod isa;
 pub mod loader;
 pub mod matrix;
+pub mod panel;
 pub mod perplexity;
 pub mod pool;
 #[cfg(feature = "bench")]
 pub mod study;
+pub mod tile;
 
 pub use dot::Dot;
 pub use isa::Isa;

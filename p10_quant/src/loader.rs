@@ -18,17 +18,30 @@ use crate::matrix::{Format, MatrixError, QuantMatrix};
 #[derive(Clone, Copy, Debug)]
 pub struct NativeWeights {
     pub dot: Dot,
-    /// Products of this many rows or more dequantise to f32 (prefill);
-    /// `usize::MAX` keeps every product on the integer path.
+    /// Products of this many rows or more dequantise to f32; `usize::MAX`
+    /// (the default) keeps every product on the integer path, so a row's
+    /// result never depends on how many rows share its step. A threshold
+    /// (e.g. [`crate::matrix::F32_GEMM_ROWS`]) is faster for long prompts
+    /// on some machines but not batch-invariant.
     pub f32_rows: usize,
 }
 
 impl NativeWeights {
-    /// The widest kernels, the default prefill threshold.
+    /// The widest kernels, every product on the integer path.
     pub fn detect() -> NativeWeights {
         NativeWeights {
             dot: Dot::detect(),
+            f32_rows: usize::MAX,
+        }
+    }
+
+    /// [`NativeWeights::detect`] with products of `F32_GEMM_ROWS` rows or
+    /// more on the f32 path: not batch-invariant (a token's logits change
+    /// with the number of rows in its step).
+    pub fn batch_variant() -> NativeWeights {
+        NativeWeights {
             f32_rows: crate::matrix::F32_GEMM_ROWS,
+            ..NativeWeights::detect()
         }
     }
 }

@@ -59,6 +59,12 @@ struct Serve {
     /// Weight format of the projections.
     #[arg(long, value_enum, default_value = "native")]
     weights: Weights,
+    /// Native weights: products of 16 rows or more (long prompts, large
+    /// batches) on the f32 path. Faster prefill on some machines, but NOT
+    /// batch-invariant: a request's tokens then depend on what shares its
+    /// steps.
+    #[arg(long)]
+    batch_variant_f32_prefill: bool,
 }
 
 #[cfg(feature = "bench")]
@@ -121,12 +127,24 @@ fn serve(a: Serve) -> Result<()> {
         .build()
         .context("starting the tokio runtime")?;
     let native = a.weights == Weights::Native;
+    let w = match a.batch_variant_f32_prefill {
+        true => p10_quant::NativeWeights::batch_variant(),
+        false => p10_quant::NativeWeights::detect(),
+    };
     if native {
-        eprintln!("native weights, {} kernels", Dot::detect().isa());
+        let how = match a.batch_variant_f32_prefill {
+            true => "products of 16+ rows in f32: not batch-invariant",
+            false => "every product on the integer kernels: batch-invariant",
+        };
+        eprintln!("native weights, {} kernels, {how}", w.dot.isa());
     }
-    rt.block_on(p09_kv_manager::serve::serve(a.serve, move |path| {
-        p10_quant::loader::load(path, native)
-    }))
+    rt.block_on(p09_kv_manager::serve::serve(
+        a.serve,
+        move |path| match native {
+            true => p10_quant::loader::load_native(path, w),
+            false => p10_quant::loader::load(path, false),
+        },
+    ))
 }
 
 #[cfg(feature = "bench")]

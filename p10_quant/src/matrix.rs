@@ -22,6 +22,7 @@ use crate::dot::Dot;
 use crate::formats::{
     quantize_row_into, read_blocks, Block, BlockQ4_0, BlockQ4_1, BlockQ8_0, FormatError, QK,
 };
+use crate::panel::Panels;
 use crate::pool::Pool;
 
 /// The weights' blocks, row-major: row r is blocks r·(k/32)..(r+1)·(k/32).
@@ -133,6 +134,8 @@ pub struct QuantMatrix {
     pub(crate) rows: usize,
     pub(crate) cols: usize,
     pub(crate) blocks: Blocks,
+    /// The same rows repacked 16 side by side for the integer kernels.
+    pub(crate) panels: Panels,
     pub(crate) dot: Dot,
     /// Products of this many rows or more take the f32 path.
     f32_rows: usize,
@@ -160,9 +163,10 @@ impl QuantMatrix {
         Ok(QuantMatrix {
             rows,
             cols,
+            panels: panels_of(&blocks, rows, cols / QK),
             blocks,
             dot,
-            f32_rows: F32_GEMM_ROWS,
+            f32_rows: usize::MAX,
             row_scale: None,
         })
     }
@@ -268,6 +272,7 @@ impl QuantMatrix {
             .as_ref()
             .map(|s| source.iter().map(|&r| s[r]).collect());
         Ok(QuantMatrix {
+            panels: panels_of(&blocks, self.rows, per),
             blocks,
             row_scale,
             ..self
@@ -437,6 +442,15 @@ impl QuantMatrix {
             });
         }
         Ok((n, k))
+    }
+}
+
+/// `blocks` (rows of `per`) as panels.
+fn panels_of(blocks: &Blocks, rows: usize, per: usize) -> Panels {
+    match blocks {
+        Blocks::Q4_1(b) => Panels::from_q4_1(b, rows, per),
+        Blocks::Q4_0(b) => Panels::from_q4_0(b, rows, per),
+        Blocks::Q8_0(b) => Panels::from_q8_0(b, rows, per),
     }
 }
 
