@@ -31,6 +31,7 @@ pub mod model;
 #[cfg(feature = "bench")]
 pub mod numbers;
 pub mod openai;
+pub mod par;
 #[cfg(feature = "bench")]
 pub mod plot;
 pub mod rng;

@@ -14,8 +14,8 @@
 //! [`attend_naive`] is the reference it is tested against.
 
 use common::batch::{Batch, KvStore};
+use common::par::ForRanges;
 use p02_matmul_bench::GemmError;
-use rayon::prelude::*;
 
 /// Below this many multiply-adds (over all decode rows) the decode rows'
 /// attention stays on the calling thread (p02's threshold for one row).
@@ -49,8 +49,8 @@ pub struct AttentionScratch {
 
 /// One query row against positions `0..upto` of `store`'s (layer, kv_head):
 /// softmax(scale q k^T) v into `out` (head_dim). `scores` has room for
-/// `upto`. The same arithmetic, in the same order, as p04's `attend`, so a
-/// contiguous store gives bit-identical results.
+/// `upto`. p04's `attend`'s steps, with the dot products and the weighted
+/// sum on SIMD where the CPU has it (`simd.rs`).
 ///
 /// # Panics
 /// If `out` is not `q.len()` long, `scores` is shorter than `upto`, or
@@ -80,7 +80,7 @@ pub fn attend_row<S: KvStore + ?Sized>(
     let scores = &mut scores[..upto];
     store.for_each_run(layer, kv_head, upto, &mut |p0, keys, _| {
         for (s, k) in keys.chunks_exact(hd).enumerate() {
-            scores[p0 + s] = p02_matmul_bench::variants::dot(q, k) * scale;
+            scores[p0 + s] = crate::simd::dot(q, k) * scale;
         }
     });
     let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -92,10 +92,7 @@ pub fn attend_row<S: KvStore + ?Sized>(
     out.fill(0.0);
     store.for_each_run(layer, kv_head, upto, &mut |p0, _, values| {
         for (s, v) in values.chunks_exact(hd).enumerate() {
-            let w = scores[p0 + s] / sum;
-            for (o, &vv) in out.iter_mut().zip(v) {
-                *o += w * vv;
-            }
+            crate::simd::axpy(scores[p0 + s] / sum, v, out);
         }
     });
 }
@@ -151,6 +148,7 @@ pub fn attention_step<S: KvStore>(
     scale: f32,
     scratch: &mut AttentionScratch,
     att: &mut [f32],
+    par: &dyn ForRanges,
 ) -> Result<(), GemmError> {
     let (nh, hd) = (heads.n_head, heads.head_dim);
     let width = nh * hd;
@@ -188,26 +186,49 @@ pub fn attention_step<S: KvStore>(
             );
         }
     };
-    // Waking the pool costs tens of microseconds: small work stays on this
-    // thread (one decode row at a short position, as p05's decode did).
+    // Waking the threads costs tens of microseconds: small work stays on
+    // this thread (one decode row at a short position, as p05's decode did).
     let work: usize = seqs
         .iter()
         .map(|s| s.len * (s.start_pos + s.len.div_ceil(2)) * width)
         .sum();
-    let rows = att
-        .chunks_exact_mut(width)
-        .zip(scratch.scores.chunks_exact_mut(max_keys))
-        .take(batch.n_tokens());
-    if work < PAR_MIN_MACS {
-        for (row, (out, scores)) in rows.enumerate() {
+    let parts = if work < PAR_MIN_MACS {
+        1
+    } else {
+        par.threads()
+    };
+    let rows = RowsOut {
+        att: att.as_mut_ptr(),
+        scores: scratch.scores.as_mut_ptr(),
+    };
+    assert!(
+        att.len() >= batch.n_tokens() * width,
+        "attention_step: att is short"
+    );
+    par.for_ranges(batch.n_tokens(), parts, &|range| {
+        let rows = &rows; // the whole struct (Sync), not its raw fields
+        for row in range {
+            // SAFETY: row < n_tokens; att holds n_tokens rows of width and
+            // scores n_tokens rows of max_keys (both checked above); each
+            // row belongs to one range, so no two threads touch the same
+            // row, and both buffers outlive `for_ranges`.
+            let (out, scores) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(rows.att.add(row * width), width),
+                    std::slice::from_raw_parts_mut(rows.scores.add(row * max_keys), max_keys),
+                )
+            };
             one_row(row, out, scores);
         }
-    } else {
-        att.par_chunks_mut(width)
-            .zip(scratch.scores.par_chunks_mut(max_keys))
-            .take(batch.n_tokens())
-            .enumerate()
-            .for_each(|(row, (out, scores))| one_row(row, out, scores));
-    }
+    });
     Ok(())
 }
+
+/// The output and score rows of a step, shared by the threads that each
+/// write their own rows of them.
+struct RowsOut {
+    att: *mut f32,
+    scores: *mut f32,
+}
+// SAFETY: used only as described at the writes in `attention_step`.
+unsafe impl Sync for RowsOut {}

@@ -118,8 +118,18 @@ impl BatchModel for Gpt2Engine {
                 store.write(l, &k[rows.clone()], &v[rows], s.len);
             }
             let mut att = vec![0.0f32; n * d];
-            attention_step(&q, batch, stores, l, heads, scale, ws, &mut att)
-                .map_err(ModelError::from)?;
+            attention_step(
+                &q,
+                batch,
+                stores,
+                l,
+                heads,
+                scale,
+                ws,
+                &mut att,
+                &crate::simd::RayonRanges,
+            )
+            .map_err(ModelError::from)?;
             let o = blk.attn_proj.forward(&att, n, t)?;
             x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
             // 3. MLP.

@@ -17,6 +17,7 @@ pub mod llama_engine;
 pub mod load;
 pub mod sampling;
 pub mod sequence;
+pub mod simd;
 
 use thiserror::Error;
 

@@ -8,9 +8,10 @@
 //! projection → SwiGLU MLP (one matmul again), and the head only for each
 //! sequence's last token.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use common::batch::{Batch, BatchModel, KvShape, KvStore};
+use common::par::ForRanges;
 use common::{Model, ModelInfo};
 use p04_transformer::llama::{apply_rope, rms_norm_into, rope_tables, silu, Llama};
 use p04_transformer::{ModelError, Proj};
@@ -30,6 +31,9 @@ pub struct LlamaEngine {
     /// The `Model` adapter's step: one batch of one sequence and the
     /// workspace it runs in (a serial caller never waits on this lock).
     adapter: Mutex<(Batch, LlamaWorkspace)>,
+    /// The threads the attention splits its rows over: rayon's by default,
+    /// the projections' own pool where a weight format brings one.
+    par: Arc<dyn ForRanges>,
 }
 
 /// The scratch buffers of one step, sized by its token count (they grow to
@@ -81,7 +85,14 @@ impl LlamaEngine {
             cos,
             sin,
             adapter: Mutex::new((Batch::new(), LlamaWorkspace::default())),
+            par: Arc::new(crate::simd::RayonRanges),
         }
+    }
+
+    /// Run the attention's rows on `par` (Project 10 hands its pool, so a
+    /// step's products and attention share one set of threads).
+    pub fn set_parallel(&mut self, par: Arc<dyn ForRanges>) {
+        self.par = par;
     }
 
     /// An empty cache for up to `max_len` positions (never more than the
@@ -207,6 +218,12 @@ impl LlamaEngine {
             head_dim: hd,
         };
         let (t, half, eps) = (m.threads, hd / 2, c.rms_norm_eps);
+        // One thread asked for: the attention stays on this one too.
+        let par: &dyn ForRanges = if t <= 1 {
+            &common::par::Serial
+        } else {
+            &*self.par
+        };
         let LlamaWorkspace {
             x,
             h,
@@ -264,7 +281,7 @@ impl LlamaEngine {
                 apply_rope(kr, 1, s.len, nkv, hd, cos, sin);
                 store.write(l, kr, &v[rows.start * nkv * hd..rows.end * nkv * hd], s.len);
             }
-            attention_step(q, batch, stores, l, heads, scale, attn, att)
+            attention_step(q, batch, stores, l, heads, scale, attn, att, par)
                 .map_err(ModelError::from)?;
             blk.wo.apply_into(att, n, o, t)?;
             x.iter_mut().zip(o.iter()).for_each(|(x, o)| *x += o);

@@ -152,8 +152,14 @@ pub fn load(path: &Path, native: bool) -> Result<LoadedEngine> {
 }
 
 /// A model with its projections in the file's blocks, through `w`'s kernels.
+/// Its attention runs on the same pool as its products.
 pub fn load_native(path: &Path, w: NativeWeights) -> Result<LoadedEngine> {
-    p05_kv_cache::load::load_with(path, &w).with_context(|| format!("loading {}", path.display()))
+    let mut loaded = p05_kv_cache::load::load_with(path, &w)
+        .with_context(|| format!("loading {}", path.display()))?;
+    loaded
+        .engine
+        .set_parallel(std::sync::Arc::new(crate::pool::GlobalPool));
+    Ok(loaded)
 }
 
 /// This process's resident set, in bytes (0 where /proc is missing).

@@ -153,6 +153,23 @@ impl Pool {
     }
 }
 
+/// The process-wide pool as the engine's thread seam
+/// (`common::par::ForRanges`): a native engine's attention rows run on the
+/// same threads as its products, not on a second pool that would compete
+/// with this one's spinning workers for the cores.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GlobalPool;
+
+impl common::par::ForRanges for GlobalPool {
+    fn threads(&self) -> usize {
+        Pool::global().threads()
+    }
+
+    fn for_ranges(&self, n: usize, parts: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
+        Pool::global().for_ranges(n, parts, f)
+    }
+}
+
 impl Drop for Pool {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
