@@ -133,6 +133,10 @@ pub struct StepOutput {
     /// Choices of parallel sampling that forked their parent's K/V in this
     /// step and now run (they sampled their first token here).
     pub forked: Vec<SeqId>,
+    /// Each sampling row's logits as the model gave them, before sampling,
+    /// when the core records them ([`EngineCore::record_logits`]): what a
+    /// test compares bit for bit across batch compositions.
+    pub logits: Vec<(SeqId, Vec<f32>)>,
 }
 
 /// The requests the core holds: their generation state (their K/V is the
@@ -166,6 +170,8 @@ pub struct EngineCore<'a, M: BatchModel, B: KvBackend = ContiguousKv> {
     batch: Batch,
     /// (n_seqs, vocab)
     logits: Vec<f32>,
+    /// Copy each sampling row's logits into the step's output.
+    record_logits: bool,
 }
 
 impl<M: BatchModel, B: KvBackend> std::fmt::Debug for EngineCore<'_, M, B> {
@@ -208,6 +214,7 @@ impl<'a, M: BatchModel, B: KvBackend> EngineCore<'a, M, B> {
             workspace: model.new_workspace(),
             batch: Batch::new(),
             logits: Vec::new(),
+            record_logits: false,
         })
     }
 
@@ -312,6 +319,12 @@ impl<'a, M: BatchModel, B: KvBackend> EngineCore<'a, M, B> {
         }
     }
 
+    /// Keep a copy of every sampling row's logits in [`StepOutput::logits`]
+    /// (off by default: a row is vocab_size floats).
+    pub fn record_logits(&mut self, on: bool) {
+        self.record_logits = on;
+    }
+
     pub fn has_work(&self) -> bool {
         !self.scheduler.is_idle()
     }
@@ -346,12 +359,14 @@ impl<'a, M: BatchModel, B: KvBackend> EngineCore<'a, M, B> {
         }
         match self.run(&plan) {
             Ok(()) => {
+                let logits = self.recorded(&plan);
                 let (outputs, forked) = self.postprocess(&plan);
                 StepOutput {
                     plan,
                     outputs,
                     failed: Vec::new(),
                     forked,
+                    logits,
                 }
             }
             Err(e) => {
@@ -415,6 +430,20 @@ impl<'a, M: BatchModel, B: KvBackend> EngineCore<'a, M, B> {
                 &mut self.logits,
             )
             .map_err(|e| StepError::Model(Box::new(e)))
+    }
+
+    /// The sampling rows' logits, when recorded.
+    fn recorded(&self, plan: &StepPlan) -> Vec<(SeqId, Vec<f32>)> {
+        if !self.record_logits {
+            return Vec::new();
+        }
+        let vocab = self.model.info().vocab_size;
+        plan.seqs
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.samples)
+            .map(|(row, s)| (s.id, self.logits[row * vocab..(row + 1) * vocab].to_vec()))
+            .collect()
     }
 
     /// Sample where a chunk reached the end of its sequence (and fork the
