@@ -1,6 +1,7 @@
 //! One thread's multiply-add rate of the integer tile kernels per path and
 //! activation-row count m, weights in cache (576 rows × `cols`, Q4_1):
-//! `cargo run --release -p p10_quant --example tile_rate [cols] [reps]`.
+//! `cargo run --release -p p10_quant --example tile_rate [cols] [reps] [rows]`
+//! (576 rows by default; 16,384 and more are past L2).
 use p10_quant::act::{ActFormat, QRow};
 use p10_quant::formats::{quantize_row, BlockQ4_1, QK};
 use p10_quant::panel::Panels;
@@ -11,7 +12,7 @@ use std::time::Instant;
 fn main() -> anyhow::Result<()> {
     let cols: usize = std::env::args().nth(1).map_or(Ok(1536), |s| s.parse())?;
     let reps: usize = std::env::args().nth(2).map_or(Ok(20), |s| s.parse())?;
-    let rows = 576;
+    let rows: usize = std::env::args().nth(3).map_or(Ok(576), |s| s.parse())?;
     let w: Vec<BlockQ4_1> = quantize_row(&common::testdata::uniform(rows * cols, 1))?;
     let per = cols / QK;
     let panels = Panels::from_q4_1(&w, rows, per);

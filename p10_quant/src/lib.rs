@@ -24,6 +24,8 @@ mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avx512_tile;
 #[cfg(feature = "bench")]
+pub mod batch_bench;
+#[cfg(feature = "bench")]
 pub mod bench;
 pub mod dot;
 pub mod formats;
@@ -34,6 +36,8 @@ pub mod isa;
 pub mod loader;
 pub mod matrix;
 pub mod panel;
+#[cfg(feature = "bench")]
+pub mod peak;
 pub mod perplexity;
 pub mod pool;
 #[cfg(feature = "bench")]

@@ -32,6 +32,9 @@ enum Cmd {
     /// Decode and prefill f32 vs native beside llama.cpp, GEMV bandwidth per format, accuracy.
     Bench(p10_quant::bench::BenchArgs),
     #[cfg(feature = "bench")]
+    /// Batched decode at 1..64 sequences (native invariant, native batch-variant, f32, llama-batched-bench), the kernel against the integer peak, closed-loop serving at 1..32 streams beside llama-server.
+    BenchBatch(p10_quant::batch_bench::BatchArgs),
+    #[cfg(feature = "bench")]
     /// Perplexity, KL divergence and top-1 agreement over a text: 8-bit activations and weight formats against f32, beside llama.cpp.
     Perplexity(p10_quant::study::PerplexityArgs),
     #[cfg(feature = "bench")]
@@ -99,6 +102,8 @@ fn main() -> Result<()> {
         Some(Cmd::Serve(a)) => serve(a),
         #[cfg(feature = "bench")]
         Some(Cmd::Bench(a)) => p10_quant::bench::run(&a),
+        #[cfg(feature = "bench")]
+        Some(Cmd::BenchBatch(a)) => p10_quant::batch_bench::run(&a),
         #[cfg(feature = "bench")]
         Some(Cmd::Perplexity(a)) => p10_quant::study::run(&a),
         #[cfg(feature = "bench")]
