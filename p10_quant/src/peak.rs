@@ -93,10 +93,12 @@ mod x86 {
             _mm512_setzero_si512(),
             _mm512_set1_epi8(3),
             _mm512_set1_epi8(-2),
-            |x, a, b| { _mm512_dpbusd_epi32(*x, a, b) }
+            |x, a, b| _mm512_dpbusd_epi32(*x, a, b)
         )
     }
 
+    // On the maddubs paths the accumulator feeds the multiply (so nothing
+    // can be hoisted out of the loop); 12 chains hide its latency.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
     pub unsafe fn avx512(rounds: usize) -> i64 {
         body!(
@@ -104,11 +106,7 @@ mod x86 {
             _mm512_set1_epi8(1),
             _mm512_set1_epi8(3),
             _mm512_set1_epi8(-2),
-            |x, a, b| {
-                // The accumulator feeds the multiply (so nothing can be hoisted
-                // out of the loop); 12 chains hide its latency.
-                _mm512_add_epi16(b, _mm512_maddubs_epi16(a, *x))
-            }
+            |x, a, b| _mm512_add_epi16(b, _mm512_maddubs_epi16(a, *x))
         )
     }
 
@@ -119,7 +117,7 @@ mod x86 {
             _mm256_set1_epi8(1),
             _mm256_set1_epi8(3),
             _mm256_set1_epi8(-2),
-            |x, a, b| { _mm256_add_epi16(b, _mm256_maddubs_epi16(a, *x)) }
+            |x, a, b| _mm256_add_epi16(b, _mm256_maddubs_epi16(a, *x))
         )
     }
 }
