@@ -49,8 +49,8 @@ pub struct AttentionScratch {
 
 /// One query row against positions `0..upto` of `store`'s (layer, kv_head):
 /// softmax(scale q k^T) v into `out` (head_dim). `scores` has room for
-/// `upto`. p04's `attend`'s steps, with the dot products and the weighted
-/// sum on SIMD where the CPU has it (`simd.rs`).
+/// `upto`. p04's `attend`'s steps, a run of keys at a time, on SIMD where
+/// the CPU has it (`simd.rs`): the scores, exp and the weighted sum.
 ///
 /// # Panics
 /// If `out` is not `q.len()` long, `scores` is shorter than `upto`, or
@@ -78,22 +78,20 @@ pub fn attend_row<S: KvStore + ?Sized>(
         store.capacity()
     );
     let scores = &mut scores[..upto];
+    // 1. scores = scale · q · k for every visible key, a run at a time.
     store.for_each_run(layer, kv_head, upto, &mut |p0, keys, _| {
-        for (s, k) in keys.chunks_exact(hd).enumerate() {
-            scores[p0 + s] = crate::simd::dot(q, k) * scale;
-        }
+        let run = keys.len() / hd;
+        crate::simd::scores(q, keys, scale, &mut scores[p0..p0 + run]);
     });
+    // 2. softmax: exp(s − max), normalised.
     let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0f32;
-    for sc in scores.iter_mut() {
-        *sc = (*sc - max).exp();
-        sum += *sc;
-    }
+    let inv = 1.0 / crate::simd::exp_sum(scores, max);
+    scores.iter_mut().for_each(|w| *w *= inv);
+    // 3. out = Σ weight · v, a run at a time.
     out.fill(0.0);
     store.for_each_run(layer, kv_head, upto, &mut |p0, _, values| {
-        for (s, v) in values.chunks_exact(hd).enumerate() {
-            crate::simd::axpy(scores[p0 + s] / sum, v, out);
-        }
+        let run = values.len() / hd;
+        crate::simd::weighted_sum(&scores[p0..p0 + run], values, out);
     });
 }
 

@@ -132,6 +132,10 @@ fn decode(a: &BatchArgs, path: &Path, native: &LlamaEngine, rows: &mut Vec<Row>)
             for _ in 0..a.rounds {
                 for (k, (_, e)) in systems.iter().enumerate() {
                     samples[k].extend(steps(e, b, pos, a.samples)?);
+                    // Let the threads of the system just timed (rayon's
+                    // and the pool's spin after their last job) go to
+                    // sleep before the next is timed.
+                    std::thread::sleep(Duration::from_millis(50));
                 }
             }
             for (k, (name, _)) in systems.iter().enumerate() {
