@@ -71,8 +71,8 @@ unsafe fn tile<const MRT: usize>(
         // SAFETY: a scale set is 16 f16; this reads 8 at 8h.
         let dw = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(sc[0].as_ptr().add(HALF * h).cast()) });
         let mw = match kind {
-            // SAFETY: as above.
             Kind::Q4_1 => {
+                // SAFETY: as above.
                 _mm256_cvtph_ps(unsafe { _mm_loadu_si128(sc[1].as_ptr().add(HALF * h).cast()) })
             }
             _ => _mm256_setzero_ps(),

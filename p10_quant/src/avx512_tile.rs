@@ -80,8 +80,8 @@ macro_rules! family {
                 // SAFETY: a scale set is 16 f16 (32 bytes).
                 let dw = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(sc[0].as_ptr().cast()) });
                 let mw = match kind {
-                    // SAFETY: as above.
                     Kind::Q4_1 => {
+                        // SAFETY: as above.
                         _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(sc[1].as_ptr().cast()) })
                     }
                     _ => _mm512_setzero_ps(),

@@ -109,7 +109,7 @@ fn step_of(s: &common::stats::Summary) -> Step {
     }
 }
 
-/// 1. The decode sweep.
+/// Part 1, the decode sweep.
 fn decode(a: &BatchArgs, path: &Path, native: &LlamaEngine, rows: &mut Vec<Row>) -> Result<()> {
     let variant = load_native(path, NativeWeights::batch_variant())?;
     let f32e = load(path, false)?;
@@ -352,8 +352,8 @@ fn llama_batched(
     Ok(out)
 }
 
-/// 2. Multiply-adds per second: the peak, the kernel in cache, the kernel
-/// inside a batch-16 decode step.
+/// Part 2, multiply-adds per second: the peak, the kernel in cache, the
+/// kernel inside a batch-16 decode step.
 fn peak(isa: crate::Isa, native: &LlamaEngine, rows: &mut Vec<Row>) -> Result<()> {
     use crate::act::{ActFormat, QRow};
     use crate::formats::{quantize_row, BlockQ4_1, QK};
@@ -547,7 +547,7 @@ async fn start(
     }
 }
 
-/// 3. Closed-loop serving.
+/// Part 3, closed-loop serving.
 async fn serve(
     a: &BatchArgs,
     path: &Path,

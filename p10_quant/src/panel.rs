@@ -134,6 +134,7 @@ impl Panels {
     /// Lay out every (group, block, line): `fill(row, block, line, 4 bytes,
     /// scales)` writes a real row's part; padding rows stay zero (Q8_0's
     /// codes 128, which is 0).
+    #[allow(clippy::needless_range_loop)] // `lane` places bytes and scales alike
     fn pack(
         kind: Kind,
         rows: usize,

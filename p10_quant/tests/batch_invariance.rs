@@ -113,15 +113,15 @@ fn paged(engine: &LlamaEngine, blocks: usize, prefix: bool) -> PagedKv {
     PagedKv::from_manager(KvManager::new(pool, prefix))
 }
 
+/// A request: its id, prompt ids and settings.
+type Req = (SeqId, Vec<u32>, GenerateParams);
+
 /// Per request: (token, logits row) of every sampling step.
 type Rows = HashMap<SeqId, Vec<(u32, Vec<f32>)>>;
 
 /// Run `work` (arrival step, request) to the end on `core`; the rows and
 /// the preemptions seen.
-fn run(
-    core: &mut EngineCore<'_, LlamaEngine, PagedKv>,
-    work: &[(usize, (SeqId, Vec<u32>, GenerateParams))],
-) -> (Rows, usize) {
+fn run(core: &mut EngineCore<'_, LlamaEngine, PagedKv>, work: &[(usize, Req)]) -> (Rows, usize) {
     core.record_logits(true);
     let mut rows: Rows = HashMap::new();
     let mut preempted = 0;
@@ -150,7 +150,7 @@ fn run(
 }
 
 /// Each target alone in a fresh core (roomy pool, one budget).
-fn solo(m: &Model, targets: &[(SeqId, Vec<u32>, GenerateParams)]) -> Rows {
+fn solo(m: &Model, targets: &[Req]) -> Rows {
     let mut all = Rows::new();
     for t in targets {
         let mut core =
@@ -189,10 +189,7 @@ fn assert_same(label: &str, want: &Rows, got: &Rows, ids: impl Iterator<Item = S
 
 /// Targets and others interleaved: others first, targets arriving while
 /// they prefill and decode.
-fn mixed(
-    targets: &[(SeqId, Vec<u32>, GenerateParams)],
-    others: &[(SeqId, Vec<u32>, GenerateParams)],
-) -> Vec<(usize, (SeqId, Vec<u32>, GenerateParams))> {
+fn mixed(targets: &[Req], others: &[Req]) -> Vec<(usize, Req)> {
     let mut work: Vec<_> = others
         .iter()
         .enumerate()
