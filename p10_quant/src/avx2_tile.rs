@@ -14,7 +14,7 @@ use std::ops::Range;
 
 use crate::act::QRowRef;
 use crate::panel::{Panels, GROUP};
-use crate::tile::{by_rows, check, Kind, OutRows};
+use crate::tile::{bcast4, by_rows, check, Kind, OutRows};
 
 /// Activation rows per tile (16 registers: 4 float and 4 integer
 /// accumulators, the half-line in flight, scales and broadcasts).
@@ -25,16 +25,6 @@ const HALF: usize = GROUP / 2;
 
 /// How far ahead the code lines are prefetched (as on AVX-512).
 const PREFETCH_LINES: usize = 64;
-
-#[inline(always)]
-fn bcast4(q: &[i8; 32], c: usize) -> i32 {
-    i32::from_le_bytes([
-        q[4 * c] as u8,
-        q[4 * c + 1] as u8,
-        q[4 * c + 2] as u8,
-        q[4 * c + 3] as u8,
-    ])
-}
 
 /// One tile: activation rows i0..i0 + MRT against half h of group g, into
 /// out's columns c0..c0 + live.

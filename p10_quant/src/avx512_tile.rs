@@ -24,7 +24,7 @@ use std::ops::Range;
 
 use crate::act::QRowRef;
 use crate::panel::{Panels, GROUP};
-use crate::tile::{by_rows, check, Kind, OutRows};
+use crate::tile::{bcast4, by_rows, check, Kind, OutRows};
 
 /// Activation rows per tile: 8 float and 8 integer accumulators, the line
 /// in flight and the scales fit the 32 registers.
@@ -33,17 +33,6 @@ const MR: usize = 8;
 /// How far ahead the code lines are prefetched (64 lines: 4 KB, as the
 /// row kernels' 256 blocks of 20 bytes were 5 KB).
 const PREFETCH_LINES: usize = 64;
-
-/// Four activation codes (bytes 4c..4c + 4 of a block) in every i32 lane.
-#[inline(always)]
-fn bcast4(q: &[i8; 32], c: usize) -> i32 {
-    i32::from_le_bytes([
-        q[4 * c] as u8,
-        q[4 * c + 1] as u8,
-        q[4 * c + 2] as u8,
-        q[4 * c + 3] as u8,
-    ])
-}
 
 macro_rules! family {
     ($features:literal) => {

@@ -126,12 +126,16 @@ fn decode(a: &BatchArgs, path: &Path, native: &LlamaEngine, rows: &mut Vec<Row>)
         let mut at: Vec<Vec<(usize, Step)>> = vec![Vec::new(); systems.len()];
         for &b in &a.batches {
             let mut line = format!("  batch {b:3}:");
-            // Rounds of A, B, C in turn: the machine's drift lands on all
-            // three alike; each system's samples are pooled over rounds.
+            // Rounds of A, B, C in turn (rotated: B, C, A next): the
+            // machine's drift lands on all three alike; each system's
+            // samples are pooled over rounds.
             let mut samples: Vec<Vec<f64>> = vec![Vec::new(); systems.len()];
-            for _ in 0..a.rounds {
-                for (k, (_, e)) in systems.iter().enumerate() {
-                    samples[k].extend(steps(e, b, pos, a.samples)?);
+            for round in 0..a.rounds {
+                // Each round starts with the next system, so no system is
+                // always timed right after the same other one.
+                for j in 0..systems.len() {
+                    let k = (round + j) % systems.len();
+                    samples[k].extend(steps(systems[k].1, b, pos, a.samples)?);
                     // Let the threads of the system just timed (rayon's
                     // and the pool's spin after their last job) go to
                     // sleep before the next is timed.

@@ -156,6 +156,18 @@ macro_rules! by_rows {
 }
 pub(crate) use by_rows;
 
+/// Four activation codes (bytes 4c..4c + 4 of a block) as one i32, for a
+/// kernel to broadcast to every lane.
+#[inline(always)]
+pub(crate) fn bcast4(q: &[i8; QK], c: usize) -> i32 {
+    i32::from_le_bytes([
+        q[4 * c] as u8,
+        q[4 * c + 1] as u8,
+        q[4 * c + 2] as u8,
+        q[4 * c + 3] as u8,
+    ])
+}
+
 /// The integer dot product of lane `lane` of group g's block b with
 /// activation block `xb`: exact, in i32.
 fn lane_dot(p: &Panels, g: usize, b: usize, lane: usize, q: &[i8; QK], sum: i32) -> i32 {
