@@ -22,16 +22,6 @@ fn simd() -> bool {
     })
 }
 
-/// out[i] += w·v[i] over the shorter of the two.
-pub fn axpy(w: f32, v: &[f32], out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if simd() {
-        // SAFETY: the CPU has AVX2 and FMA (checked by `simd`).
-        return unsafe { avx2::axpy(w, v, out) };
-    }
-    axpy_ref(w, v, out)
-}
-
 /// out[p] = scale · q · keys[p] for every key p of a run (keys: out.len()
 /// rows of q.len()).
 pub fn scores(q: &[f32], keys: &[f32], scale: f32, out: &mut [f32]) {
@@ -81,7 +71,7 @@ pub fn weighted_sum(w: &[f32], values: &[f32], out: &mut [f32]) {
     }
 }
 
-/// The portable reference of [`axpy`].
+/// out[i] += w·v[i]: the portable weighted sum's step.
 pub fn axpy_ref(w: f32, v: &[f32], out: &mut [f32]) {
     for (o, &x) in out.iter_mut().zip(v) {
         *o += w * x;
@@ -252,25 +242,6 @@ mod avx2 {
             }
         }
     }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn axpy(w: f32, v: &[f32], out: &mut [f32]) {
-        let n = v.len().min(out.len());
-        let wv = _mm256_set1_ps(w);
-        let mut i = 0;
-        while i + 8 <= n {
-            // SAFETY: i + 8 ≤ n: inside both slices.
-            unsafe {
-                let o = _mm256_loadu_ps(out.as_ptr().add(i));
-                let x = _mm256_loadu_ps(v.as_ptr().add(i));
-                _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_fmadd_ps(wv, x, o));
-            }
-            i += 8;
-        }
-        for k in i..n {
-            out[k] = w.mul_add(v[k], out[k]);
-        }
-    }
 }
 
 /// Runs a split on rayon's pool: the default for engines whose products do
@@ -345,23 +316,6 @@ mod tests {
         assert_eq!(&x[1..4], &[0.0, 0.0, 0.0]);
         assert!((x[4] - (-87.0f32).exp()).abs() <= 1e-6 * (-87.0f32).exp());
         assert!((s - x.iter().sum::<f32>()).abs() < 1e-6);
-    }
-
-    #[test]
-    fn axpy_matches_the_portable_loop_on_ragged_lengths() {
-        let a = common::testdata::uniform(131, 1);
-        let b = common::testdata::uniform(131, 2);
-        for n in [0usize, 1, 7, 8, 9, 31, 32, 33, 64, 100, 131] {
-            let (mut o1, mut o2) = (b[..n].to_vec(), b[..n].to_vec());
-            axpy(0.37, &a[..n], &mut o1);
-            axpy_ref(0.37, &a[..n], &mut o2);
-            for (k, (p, q)) in o1.iter().zip(&o2).enumerate() {
-                assert!(
-                    (p - q).abs() <= 1e-6 * (p.abs() + 1.0),
-                    "axpy {n} [{k}]: {p} vs {q}"
-                );
-            }
-        }
     }
 
     #[test]

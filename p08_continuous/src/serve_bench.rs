@@ -86,10 +86,35 @@ pub struct ServeArgs {
     pub no_record: bool,
 }
 
-/// A running system: where it listens, and the peer's process if any.
-struct System {
-    url: String,
-    peer: Option<Child>,
+/// A running system under load: where it listens, and its process when
+/// it is a child (killed and reaped on drop). Project 10's bench uses it too.
+#[derive(Debug)]
+pub struct System {
+    pub url: String,
+    pub peer: Option<Child>,
+}
+
+impl System {
+    /// Wait until `GET {url}/health` answers 200, for at most 120 s
+    /// (`what` names the system in the error).
+    pub async fn healthy(&self, what: &str) -> Result<()> {
+        let t0 = Instant::now();
+        let http = reqwest::Client::new();
+        loop {
+            let probe = http
+                .get(format!("{}/health", self.url))
+                .timeout(Duration::from_secs(2));
+            if let Ok(r) = probe.send().await {
+                if r.status().is_success() {
+                    return Ok(());
+                }
+            }
+            if t0.elapsed() > Duration::from_secs(120) {
+                bail!("{what} did not become healthy in 120 s");
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
 }
 
 impl Drop for System {
@@ -143,19 +168,9 @@ async fn start_peer(a: &ServeArgs) -> Result<System> {
         url: format!("http://127.0.0.1:{}", a.peer_port),
         peer: Some(child),
     };
-    let t0 = Instant::now();
-    let http = reqwest::Client::new();
-    loop {
-        if let Ok(r) = http.get(format!("{}/health", sys.url)).send().await {
-            if r.status().is_success() {
-                return Ok(sys);
-            }
-        }
-        if t0.elapsed() > Duration::from_secs(120) {
-            bail!("llama-server did not become healthy in 120 s (build it: bash scripts/build_llamacpp.sh)");
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    sys.healthy("llama-server (build it: bash scripts/build_llamacpp.sh)")
+        .await?;
+    Ok(sys)
 }
 
 /// Jain's fairness index: (Σx)² / (n Σx²), 1 when all equal, 1/n at worst.

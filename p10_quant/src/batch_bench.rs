@@ -30,6 +30,7 @@ use common::loadgen::{Arrival, LoadRequest, Report};
 use common::numbers::{command_line, Recorder, Row};
 use common::plot::{line_chart, Labels, Scale, Series};
 use p05_kv_cache::llama_engine::LlamaEngine;
+use p08_continuous::serve_bench::System;
 
 use crate::loader::{load, load_native};
 use crate::NativeWeights;
@@ -448,42 +449,6 @@ fn peak(isa: crate::Isa, native: &LlamaEngine, rows: &mut Vec<Row>) -> Result<()
     Ok(())
 }
 
-/// A system under load: its URL and, for a child process, the child.
-struct System {
-    url: String,
-    child: Option<Child>,
-}
-
-impl Drop for System {
-    fn drop(&mut self) {
-        if let Some(c) = &mut self.child {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-async fn healthy(url: &str, what: &str) -> Result<()> {
-    let t0 = Instant::now();
-    let http = reqwest::Client::new();
-    loop {
-        if let Ok(r) = http
-            .get(format!("{url}/health"))
-            .timeout(Duration::from_secs(2))
-            .send()
-            .await
-        {
-            if r.status().is_success() {
-                return Ok(());
-            }
-        }
-        if t0.elapsed() > Duration::from_secs(120) {
-            bail!("{what} did not become healthy in 120 s");
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-}
-
 fn child(cmd: &mut Command, log: &str) -> Result<Child> {
     let path = common::assets::workspace_root().join(format!("target/{log}.log"));
     let file = std::fs::File::create(&path).with_context(|| path.display().to_string())?;
@@ -517,7 +482,7 @@ async fn start(
                 kv,
             )?;
             let url = p06_server::bench::spawn_server(Arc::new(engine)).await?;
-            Ok(System { url, child: None })
+            Ok(System { url, peer: None })
         }
         "p10 previous commit" => {
             let bin = a.base_bin.as_ref().context("no --base-bin")?;
@@ -526,9 +491,9 @@ async fn start(
             cmd.args(["serve", "--model", &a.model, "--port", &port.to_string()]);
             let sys = System {
                 url: format!("http://127.0.0.1:{port}"),
-                child: Some(child(&mut cmd, "p10_base_server")?),
+                peer: Some(child(&mut cmd, "p10_base_server")?),
             };
-            healthy(&sys.url, "the --base-bin server").await?;
+            sys.healthy("the --base-bin server").await?;
             Ok(sys)
         }
         "llama.cpp" => {
@@ -538,13 +503,10 @@ async fn start(
                 .args([port.to_string(), c.to_string()]);
             let sys = System {
                 url: format!("http://127.0.0.1:{port}"),
-                child: Some(child(&mut cmd, "llamacpp_server")?),
+                peer: Some(child(&mut cmd, "llamacpp_server")?),
             };
-            healthy(
-                &sys.url,
-                "llama-server (build it: bash scripts/build_llamacpp.sh)",
-            )
-            .await?;
+            sys.healthy("llama-server (build it: bash scripts/build_llamacpp.sh)")
+                .await?;
             Ok(sys)
         }
         other => bail!("unknown system {other}"),
