@@ -1,6 +1,9 @@
 //! A small seeded random generator: the same seed gives the same draws, on
 //! every machine (sampling in p05, arrival times in the load generator).
 
+/// SplitMix64's increment (2^64 / φ, odd).
+const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+
 /// SplitMix64: a small, well-mixed generator; the same seed gives the same draws.
 #[derive(Clone, Debug)]
 pub struct Rng(u64);
@@ -10,8 +13,15 @@ impl Rng {
         Rng(seed)
     }
 
+    /// The generator of `seed` after `draws` draws of [`Rng::next_u64`]
+    /// (SplitMix64's state is a counter, so this is one multiply): how a
+    /// sequence continues its random stream on another engine.
+    pub fn at(seed: u64, draws: u64) -> Rng {
+        Rng(seed.wrapping_add(draws.wrapping_mul(GOLDEN)))
+    }
+
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        self.0 = self.0.wrapping_add(GOLDEN);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);

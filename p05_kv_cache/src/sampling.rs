@@ -30,8 +30,18 @@ pub struct Sampler {
     /// temperature cannot be set afterwards.
     params: SamplingParams,
     rng: Rng,
+    /// Draws taken from `rng` so far (its position in the stream).
+    draws: u64,
     /// (probability or logit, token), reused across steps.
     cand: Vec<(f32, u32)>,
+}
+
+/// Where a sampler is in its random stream: with the same settings, a
+/// sampler made from it draws what the original would draw next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SamplerState {
+    pub seed: u64,
+    pub draws: u64,
 }
 
 /// Greedy's choice: common's one `argmax` (first index on ties).
@@ -50,8 +60,29 @@ impl Sampler {
         Ok(Sampler {
             params,
             rng,
+            draws: 0,
             cand: Vec::new(),
         })
+    }
+
+    /// A sampler that continues from `state` (its seed replaces the
+    /// settings' own).
+    pub fn resume(params: SamplingParams, state: SamplerState) -> Result<Sampler, SamplingError> {
+        let params = SamplingParams {
+            seed: Some(state.seed),
+            ..params
+        };
+        let mut s = Sampler::new(params)?;
+        s.rng = Rng::at(state.seed, state.draws);
+        s.draws = state.draws;
+        Ok(s)
+    }
+
+    pub fn state(&self) -> SamplerState {
+        SamplerState {
+            seed: self.params.seed.unwrap_or(0),
+            draws: self.draws,
+        }
     }
 
     /// Steps 1 and 3–7: the distribution a draw is made from, as
@@ -149,6 +180,7 @@ impl Sampler {
             return argmax(logits);
         }
         let u = self.rng.next_f64();
+        self.draws += 1;
         // The same distribution as `distribution`; untruncated, it is walked
         // in vocabulary order rather than sorted (same draw probabilities).
         self.filter(logits, history, false);

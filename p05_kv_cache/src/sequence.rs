@@ -9,7 +9,7 @@ use p04_transformer::generate::Utf8Stream;
 use p04_transformer::Tokenizer;
 
 use crate::generate::{log_probs, Finish, GenerateError, GenerateParams};
-use crate::sampling::Sampler;
+use crate::sampling::{Sampler, SamplerState};
 
 /// One sampled token, as [`Sequence::on_logits`] (and `Generator::next_token`) hands it out.
 #[derive(Clone, Debug, PartialEq)]
@@ -80,6 +80,41 @@ impl Sequence {
             stops: StopFilter::default(),
             finish: (params.max_tokens == 0).then_some(Finish::Length),
         })
+    }
+
+    /// A sequence another engine started: `output` are the tokens it
+    /// sampled after `prompt` (no stop token among them), `sampler` where
+    /// its random stream stands. The text state (UTF-8 bytes of an
+    /// unfinished character, text held back as a possible stop string) is
+    /// rebuilt by replaying `output`, so the next token's text is what the
+    /// first engine would have sent. Finished if `output` already ends it.
+    pub fn resume<E: std::error::Error + 'static>(
+        info: &ModelInfo,
+        prompt: &[u32],
+        output: &[u32],
+        params: &GenerateParams,
+        sampler: SamplerState,
+        tok: &Tokenizer,
+    ) -> Result<Sequence, GenerateError<E>> {
+        let mut seq = Sequence::new(info, prompt, params)?;
+        seq.sampler = Sampler::resume(params.sampling.clone(), sampler)?;
+        for &t in output {
+            if seq.finish.is_some() {
+                break;
+            }
+            seq.accept(t, tok);
+        }
+        Ok(seq)
+    }
+
+    /// Where the sampler's random stream stands.
+    pub fn sampler_state(&self) -> SamplerState {
+        self.sampler.state()
+    }
+
+    /// The tokens sampled after the prompt.
+    pub fn output(&self) -> &[u32] {
+        &self.history[self.prompt_tokens..]
     }
 
     pub fn prompt(&self) -> &[u32] {
@@ -154,6 +189,19 @@ impl Sequence {
                 finish: self.finish,
             };
         }
+        let text = self.accept(next, tok);
+        Step {
+            token: next,
+            text,
+            logprob,
+            top_logprobs,
+            finish: self.finish,
+        }
+    }
+
+    /// Take `next` (not a stop id) as the next output token: history, text
+    /// (returned: what became final), stop strings, `max_tokens`.
+    fn accept(&mut self, next: u32, tok: &Tokenizer) -> String {
         self.generated += 1;
         self.history.push(next);
         let piece = self.utf8.push(&tok.decode_bytes(&[next]));
@@ -166,13 +214,7 @@ impl Sequence {
         } else {
             None
         };
-        Step {
-            token: next,
-            text,
-            logprob,
-            top_logprobs,
-            finish: self.finish,
-        }
+        text
     }
 }
 

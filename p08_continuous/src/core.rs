@@ -1,26 +1,35 @@
-//! The engine core: requests, their K/V caches and the model, driven one
-//! step at a time (nano-vllm's `LLMEngine.step()`, vLLM's `EngineCore`).
+//! The engine core: requests, their K/V bookkeeping and a model runner,
+//! driven one step at a time (nano-vllm's `LLMEngine.step()`, vLLM's
+//! `EngineCore`).
 //!
 //! ```text
-//! step():  plan = scheduler.schedule()        which sequences, how many tokens each
-//!          run(plan)                          one batched, ragged forward (Project 07)
-//!          postprocess(plan, logits)          sample, stream, retire
+//! step():  schedule = scheduler.schedule()    which sequences, how many tokens each
+//!          plan = plan(schedule)              tokens, positions, block tables, K/V work
+//!          runner.execute(plan)               one batched, ragged forward (Project 07)
+//!          postprocess(schedule, logits)      sample, stream, retire
 //! ```
 //!
-//! No threads and no channels here: the serving engine ([`crate::engine`])
-//! calls [`EngineCore::step`] in a loop on its model thread, and the tests
-//! call it directly to watch each step.
+//! The core owns no weights and no K/V: a [`ModelRunner`] does (in this
+//! process, [`LocalRunner`]; on other ranks or hosts, Projects 13 and 14).
+//! Each sequence is one record ([`crate::scheduler::Entry`] with [`SeqData`]) in the
+//! scheduler's queues: tokens, sampler, salt, its client's stream and the
+//! choices waiting to fork from it. No threads and no channels here: the
+//! serving engine ([`crate::engine`]) calls [`EngineCore::step`] in a loop
+//! on its model thread, and the tests call it directly to watch each step.
 
-use std::collections::HashMap;
+use std::time::Instant;
 
-use common::batch::{Batch, BatchModel};
+use common::batch::BatchModel;
+use common::ModelInfo;
 use p04_transformer::Tokenizer;
-use p05_kv_cache::generate::{GenerateError, GenerateParams, Sequence, Step};
-use thiserror::Error;
+use p05_kv_cache::generate::{GenerateParams, Sequence};
 
-use crate::kv_backend::{Chunk, ContiguousKv, KvBackend};
+use crate::contiguous::ContiguousStorage;
+use crate::kv_backend::{ContiguousKv, KvBackend};
+pub use crate::output::{AddError, SeqOutput, StepError, StepOutput, StepTiming};
+use crate::runner::{LocalRunner, ModelRunner, PlannedSeq, StepPlan};
 use crate::scheduler::{
-    Scheduler, SchedulerConfig, SchedulerError, SeqId, StepCost, StepPlan, TokenSource,
+    Schedule, Scheduler, SchedulerConfig, SchedulerError, SeqId, SeqTokens, StepCost,
 };
 
 /// The continuous batcher's knobs.
@@ -83,107 +92,92 @@ impl Default for ContinuousConfig {
     }
 }
 
-#[derive(Debug, Error)]
-pub enum AddError<E: std::error::Error + 'static> {
-    /// The request does not fit the model's context or has bad settings.
-    #[error(transparent)]
-    Request(#[from] GenerateError<E>),
-    /// It could not run even alone in the K/V memory, or its id is taken.
-    #[error(transparent)]
-    Scheduler(#[from] SchedulerError),
-}
 
-/// A sequence that sampled in this step.
-#[derive(Clone, Debug)]
-pub struct SeqOutput {
-    pub id: SeqId,
-    pub step: Step,
-    /// The token joins the output (false for a stop token).
-    pub is_token: bool,
-    /// Prompt and generated tokens so far.
-    pub prompt_tokens: usize,
-    pub completion_tokens: usize,
+/// The engine core's part of a sequence's record.
+#[derive(Debug)]
+pub struct SeqData<C> {
+    /// Tokens, sampler, stop rules, text state.
+    pub seq: Sequence,
+    /// The prefix-cache key (`cache_salt`).
+    pub salt: Vec<u8>,
+    pub client: C,
+    /// Choices of parallel sampling waiting for this one's first token.
+    children: Vec<Child<C>>,
 }
-
-/// Why a step's forward did not run. The backend's and the model's own
-/// error types are kept (boxed: the core is generic over both), so a
-/// caller can downcast and act on the kind (e.g. a full pool).
-#[derive(Debug, Error)]
-pub enum StepError {
-    #[error("sequence {0} has no tokens for its chunk")]
-    NoTokens(SeqId),
-    #[error(transparent)]
-    Batch(#[from] common::batch::BatchError),
-    #[error("K/V stores: {0}")]
-    Stores(#[source] Box<dyn std::error::Error + Send + Sync>),
-    #[error("forward: {0}")]
-    Model(#[source] Box<dyn std::error::Error + Send + Sync>),
-}
-
-/// What one step did.
-#[derive(Debug, Default)]
-pub struct StepOutput {
-    pub plan: StepPlan,
-    /// Sequences that sampled, in batch order; those whose `step.finish` is
-    /// set have been retired.
-    pub outputs: Vec<SeqOutput>,
-    /// Sequences retired because the step failed, with the reason (one
-    /// error shared by every sequence of the failed step).
-    pub failed: Vec<(SeqId, std::sync::Arc<StepError>)>,
-    /// Choices of parallel sampling that forked their parent's K/V in this
-    /// step and now run (they sampled their first token here).
-    pub forked: Vec<SeqId>,
-    /// Each sampling row's logits as the model gave them, before sampling,
-    /// when the core records them ([`EngineCore::record_logits`]): what a
-    /// test compares bit for bit across batch compositions.
-    pub logits: Vec<(SeqId, Vec<f32>)>,
-}
-
-/// The requests the core holds: their generation state (their K/V is the
-/// backend's).
-#[derive(Debug, Default)]
-struct Requests(HashMap<SeqId, Sequence>);
 
 /// A choice of parallel sampling waiting for its parent's prompt.
 #[derive(Debug)]
-struct Pending {
+struct Child<C> {
     id: SeqId,
     seq: Sequence,
-    max_len: usize,
+    client: C,
 }
 
-impl TokenSource for Requests {
-    fn tokens(&self, id: SeqId) -> &[u32] {
-        self.0.get(&id).map_or(&[], |s| s.history())
+impl<C> SeqData<C> {
+    pub(crate) fn new(seq: Sequence, salt: Vec<u8>, client: C) -> Self {
+        SeqData {
+            seq,
+            salt,
+            client,
+            children: Vec::new(),
+        }
     }
 }
 
-pub struct EngineCore<'a, M: BatchModel, B: KvBackend = ContiguousKv> {
-    model: &'a M,
-    tok: &'a Tokenizer,
-    scheduler: Scheduler,
-    requests: Requests,
-    /// Parent → its other choices, forked when it samples its first token.
-    pending: HashMap<SeqId, Vec<Pending>>,
-    kv: B,
-    workspace: M::Workspace,
-    batch: Batch,
-    /// (n_seqs, vocab)
+impl<C> SeqTokens for SeqData<C> {
+    fn tokens(&self) -> &[u32] {
+        self.seq.history()
+    }
+
+    fn salt(&self) -> &[u8] {
+        &self.salt
+    }
+}
+
+/// One request as the engine core takes it.
+#[derive(Debug)]
+pub struct NewRequest<'r, C> {
+    pub prompt: &'r [u32],
+    pub params: &'r GenerateParams,
+    pub salt: &'r [u8],
+    /// One id and client per choice (`n`): the first computes the prompt;
+    /// when it samples its first token, the others fork its K/V (shared
+    /// blocks on a paged backend) and sample from the same logits, choice
+    /// `i` with seed `seed + i`.
+    pub choices: Vec<(SeqId, C)>,
+}
+
+pub struct EngineCore<'a, B: KvBackend, R: ModelRunner, C = ()> {
+    pub(crate) info: ModelInfo,
+    pub(crate) tok: &'a Tokenizer,
+    /// The sequences' records, in its waiting and running queues.
+    pub(crate) scheduler: Scheduler<SeqData<C>>,
+    pub(crate) kv: B,
+    pub(crate) runner: R,
+    /// (logit rows, vocab), lent to the runner each step.
     logits: Vec<f32>,
     /// Copy each sampling row's logits into the step's output.
     record_logits: bool,
+    steps: u64,
+    /// The last step's plan (kept: its buffers are reused).
+    plan: StepPlan,
 }
 
-impl<M: BatchModel, B: KvBackend> std::fmt::Debug for EngineCore<'_, M, B> {
+/// The core with its model in this process.
+pub type LocalCore<'a, M, B = ContiguousKv, C = ()> =
+    EngineCore<'a, B, LocalRunner<'a, M, <B as KvBackend>::Storage>, C>;
+
+impl<B: KvBackend, R: ModelRunner, C> std::fmt::Debug for EngineCore<'_, B, R, C> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EngineCore")
-            .field("scheduler", &self.scheduler)
-            .field("requests", &self.requests.0.len())
+            .field("running", &self.scheduler.num_running())
+            .field("waiting", &self.scheduler.num_waiting())
+            .field("steps", &self.steps)
             .finish_non_exhaustive()
     }
 }
 
-impl<'a, M: BatchModel> EngineCore<'a, M, ContiguousKv> {
+impl<'a, M: BatchModel, C> EngineCore<'a, ContiguousKv, LocalRunner<'a, M, ContiguousStorage>, C> {
     /// Project 08's core: contiguous caches within `config.kv_cache_bytes`.
     pub fn new(
         model: &'a M,
@@ -195,110 +189,152 @@ impl<'a, M: BatchModel> EngineCore<'a, M, ContiguousKv> {
     }
 }
 
-impl<'a, M: BatchModel, B: KvBackend> EngineCore<'a, M, B> {
-    /// A core on any K/V backend (Project 09 brings paged blocks).
+impl<'a, M: BatchModel, B: KvBackend, C> EngineCore<'a, B, LocalRunner<'a, M, B::Storage>, C> {
+    /// A core on any K/V bookkeeping (Project 09 brings paged blocks), with
+    /// an in-process runner on a storage of its layout.
     pub fn with_backend(
         model: &'a M,
         tok: &'a Tokenizer,
         config: &ContinuousConfig,
         kv: B,
     ) -> Result<Self, SchedulerError> {
+        let runner = LocalRunner::new(model, kv.new_storage());
+        EngineCore::with_runner(model.info(), tok, config, kv, runner)
+    }
+}
+
+impl<'a, B: KvBackend, R: ModelRunner, C> EngineCore<'a, B, R, C> {
+    /// A core driving any runner (one that broadcasts to ranks, or ships
+    /// plans to a worker).
+    pub fn with_runner(
+        info: &ModelInfo,
+        tok: &'a Tokenizer,
+        config: &ContinuousConfig,
+        kv: B,
+        runner: R,
+    ) -> Result<Self, SchedulerError> {
         let scheduler = Scheduler::new(config.scheduler_config())?;
         Ok(EngineCore {
-            model,
+            info: info.clone(),
             tok,
             scheduler,
-            requests: Requests::default(),
-            pending: HashMap::new(),
             kv,
-            workspace: model.new_workspace(),
-            batch: Batch::new(),
+            runner,
             logits: Vec::new(),
             record_logits: false,
+            steps: 0,
+            plan: StepPlan::default(),
         })
     }
 
-    /// Queue a request. Returns false when it is finished before it starts
-    /// (`max_tokens == 0`); it is then not held.
-    pub fn add(
+    /// Queue a request whose `choices` share the prompt. Returns the
+    /// choices back when the request is finished before it starts
+    /// (`max_tokens == 0`): nothing is then held. On an error the clients
+    /// come back too, for the caller to tell.
+    #[allow(clippy::type_complexity)]
+    pub fn submit(
         &mut self,
-        id: SeqId,
-        prompt: &[u32],
-        params: &GenerateParams,
-    ) -> Result<bool, AddError<M::Error>> {
-        self.add_choices(&[id], prompt, params, b"")
+        req: NewRequest<'_, C>,
+    ) -> Result<Option<Vec<(SeqId, C)>>, (AddError, Vec<(SeqId, C)>)> {
+        let NewRequest {
+            prompt,
+            params,
+            salt,
+            choices,
+        } = req;
+        let checked = self.check_new(prompt, params, &choices);
+        let (seq, children) = match checked {
+            Ok(Some(x)) => x,
+            Ok(None) => return Ok(Some(choices)),
+            Err(e) => return Err((e, choices)),
+        };
+        let mut choices = choices.into_iter();
+        let Some((parent, client)) = choices.next() else {
+            return Ok(Some(Vec::new()));
+        };
+        let children = children
+            .into_iter()
+            .zip(choices)
+            .map(|(seq, (id, client))| Child { id, seq, client })
+            .collect();
+        let data = SeqData {
+            seq,
+            salt: salt.to_vec(),
+            client,
+            children,
+        };
+        let max_len = prompt.len().saturating_add(params.max_tokens);
+        let capacity = self.kv.capacity_positions();
+        // Checked by `check_new`: it cannot be refused here.
+        let _ = self
+            .scheduler
+            .add(parent, prompt.len(), max_len, capacity, data);
+        Ok(None)
     }
 
-    /// Queue `ids.len()` choices of one prompt (parallel sampling, `n`).
-    /// The first computes the prompt; when it samples its first token, the
-    /// others fork its K/V (shared blocks on a paged backend) and sample
-    /// from the same logits, choice `i` with seed `seed + i`. `salt` keys
-    /// the prefix cache. False when all are finished before they start.
-    pub fn add_choices(
-        &mut self,
-        ids: &[SeqId],
+    /// The request's sequences, or None when it finishes before it starts.
+    #[allow(clippy::type_complexity)]
+    fn check_new(
+        &self,
         prompt: &[u32],
         params: &GenerateParams,
-        salt: &[u8],
-    ) -> Result<bool, AddError<M::Error>> {
-        let Some((&parent, others)) = ids.split_first() else {
-            return Ok(false);
+        choices: &[(SeqId, C)],
+    ) -> Result<Option<(Sequence, Vec<Sequence>)>, AddError> {
+        let Some(((parent, _), others)) = choices.split_first() else {
+            return Ok(None);
         };
-        let info = self.model.info();
-        let seq = Sequence::new::<M::Error>(info, prompt, params)?;
+        let seq = Sequence::new::<std::convert::Infallible>(&self.info, prompt, params)?;
         if seq.is_finished() {
-            return Ok(false);
+            return Ok(None);
         }
-        let max_len = prompt.len().saturating_add(params.max_tokens);
         let mut children = Vec::with_capacity(others.len());
-        for (i, &id) in (1u64..).zip(others) {
-            if id == parent || self.is_held(id) || children.iter().any(|c: &Pending| c.id == id) {
-                return Err(SchedulerError::Duplicate(id).into());
+        for (i, (id, _)) in (1u64..).zip(others) {
+            if id == parent || self.is_held(*id) || others[..i as usize - 1].iter().any(|c| c.0 == *id) {
+                return Err(SchedulerError::Duplicate(*id).into());
             }
             let mut p = params.clone();
             p.sampling.seed = Some(p.sampling.seed.unwrap_or(0).wrapping_add(i));
-            let seq = Sequence::new::<M::Error>(info, prompt, &p)?;
-            children.push(Pending { id, seq, max_len });
+            children.push(Sequence::new::<std::convert::Infallible>(&self.info, prompt, &p)?);
         }
+        let max_len = prompt.len().saturating_add(params.max_tokens);
         self.scheduler
-            .add(parent, prompt.len(), max_len, self.kv.capacity_positions())?;
-        for &id in ids {
-            self.kv.set_salt(id, salt);
-        }
-        self.requests.0.insert(parent, seq);
-        if !children.is_empty() {
-            self.pending.insert(parent, children);
-        }
-        Ok(true)
+            .can_add(*parent, prompt.len(), max_len, self.kv.capacity_positions())?;
+        Ok(Some((seq, children)))
     }
 
     /// Whether `id` is running, waiting or waiting for its parent.
-    fn is_held(&self, id: SeqId) -> bool {
-        self.requests.0.contains_key(&id) || self.pending.values().flatten().any(|c| c.id == id)
+    pub fn is_held(&self, id: SeqId) -> bool {
+        self.scheduler
+            .entries()
+            .any(|e| e.id == id || e.data.children.iter().any(|c| c.id == id))
     }
 
     /// Cancel a request, freeing its K/V. Returns its (prompt, generated)
-    /// token counts if it was held. Choices still waiting for it as their
-    /// parent queue to compute the prompt themselves.
-    pub fn abort(&mut self, id: SeqId) -> Option<(usize, usize)> {
-        for c in self.pending.remove(&id).into_iter().flatten() {
-            self.enqueue(c);
+    /// token counts and its client if it was held. Choices still waiting
+    /// for it as their parent queue to compute the prompt themselves.
+    pub fn abort(&mut self, id: SeqId) -> Option<(usize, usize, C)> {
+        if let Some(c) = self.take_child(id) {
+            return Some((c.seq.prompt_tokens(), 0, c.client));
         }
-        if let Some(c) = self.take_pending(id) {
-            self.kv.release(id);
-            return Some((c.seq.prompt_tokens(), 0));
+        let entry = self.scheduler.remove(id)?;
+        self.kv.free(id);
+        let SeqData {
+            seq,
+            salt,
+            client,
+            children,
+        } = entry.data;
+        for c in children {
+            self.enqueue(c, &salt, entry.max_len);
         }
-        self.scheduler.remove(id);
-        self.kv.release(id);
-        let seq = self.requests.0.remove(&id)?;
-        Some((seq.prompt_tokens(), seq.generated_tokens()))
+        Some((seq.prompt_tokens(), seq.generated_tokens(), client))
     }
 
     /// Remove a choice waiting for its parent.
-    fn take_pending(&mut self, id: SeqId) -> Option<Pending> {
-        for children in self.pending.values_mut() {
-            if let Some(i) = children.iter().position(|c| c.id == id) {
-                return Some(children.remove(i));
+    fn take_child(&mut self, id: SeqId) -> Option<Child<C>> {
+        for e in self.scheduler.entries_mut() {
+            if let Some(i) = e.data.children.iter().position(|c| c.id == id) {
+                return Some(e.data.children.remove(i));
             }
         }
         None
@@ -306,17 +342,37 @@ impl<'a, M: BatchModel, B: KvBackend> EngineCore<'a, M, B> {
 
     /// A choice that could not fork waits as an ordinary request (its
     /// prompt may still hit the prefix cache).
-    fn enqueue(&mut self, c: Pending) {
+    fn enqueue(&mut self, c: Child<C>, salt: &[u8], max_len: usize) {
         let tokens = c.seq.history().len();
         let capacity = self.kv.capacity_positions();
+        let data = SeqData::new(c.seq, salt.to_vec(), c.client);
         // It fitted as its parent's twin, so it fits alone.
-        if self
-            .scheduler
-            .add(c.id, tokens, c.max_len, capacity)
-            .is_ok()
-        {
-            self.requests.0.insert(c.id, c.seq);
+        let _ = self.scheduler.add(c.id, tokens, max_len, capacity, data);
+    }
+
+    /// A held sequence's client (a waiting choice's included).
+    pub fn client(&self, id: SeqId) -> Option<&C> {
+        self.clients().find(|(i, _)| *i == id).map(|(_, c)| c)
+    }
+
+    /// Every held sequence's client, waiting choices included.
+    pub fn clients(&self) -> impl Iterator<Item = (SeqId, &C)> {
+        self.scheduler.entries().flat_map(|e| {
+            std::iter::once((e.id, &e.data.client))
+                .chain(e.data.children.iter().map(|c| (c.id, &c.client)))
+        })
+    }
+
+    pub fn client_mut(&mut self, id: SeqId) -> Option<&mut C> {
+        for e in self.scheduler.entries_mut() {
+            if e.id == id {
+                return Some(&mut e.data.client);
+            }
+            if let Some(c) = e.data.children.iter_mut().find(|c| c.id == id) {
+                return Some(&mut c.client);
+            }
         }
+        None
     }
 
     /// Keep a copy of every sampling row's logits in [`StepOutput::logits`]
@@ -329,13 +385,22 @@ impl<'a, M: BatchModel, B: KvBackend> EngineCore<'a, M, B> {
         !self.scheduler.is_idle()
     }
 
-    pub fn scheduler(&self) -> &Scheduler {
+    pub fn scheduler(&self) -> &Scheduler<SeqData<C>> {
         &self.scheduler
     }
 
-    /// The K/V backend (its own counters: blocks, prefix hits).
+    /// The K/V bookkeeping (its own counters: blocks, prefix hits).
     pub fn kv(&self) -> &B {
         &self.kv
+    }
+
+    pub fn runner(&self) -> &R {
+        &self.runner
+    }
+
+    /// The last step's plan, as the runner received it.
+    pub fn last_plan(&self) -> &StepPlan {
+        &self.plan
     }
 
     /// Bytes of K/V held by running sequences.
@@ -348,151 +413,200 @@ impl<'a, M: BatchModel, B: KvBackend> EngineCore<'a, M, B> {
         self.kv.capacity_bytes()
     }
 
-    /// One iteration: schedule → run → post-process.
-    pub fn step(&mut self) -> StepOutput {
-        let plan = self.schedule();
-        if plan.is_empty() {
-            return StepOutput {
-                plan,
-                ..StepOutput::default()
-            };
+    /// One iteration: schedule → plan → execute → post-process.
+    pub fn step(&mut self) -> StepOutput<C> {
+        let t0 = Instant::now();
+        let schedule = self.scheduler.schedule(&mut self.kv);
+        let t1 = Instant::now();
+        let mut out = StepOutput::default();
+        if schedule.is_empty() {
+            out.schedule = schedule;
+            // Frees of finished sequences still reach the storage.
+            self.plan.ops.clear();
+            self.kv.take_ops(&mut self.plan.ops);
+            if !self.plan.ops.is_empty() {
+                let _ = self.runner.apply(&self.plan.ops);
+            }
+            return out;
         }
-        match self.run(&plan) {
+        let planned = self.build_plan(&schedule);
+        let t2 = Instant::now();
+        let ran = planned.and_then(|()| {
+            self.runner
+                .execute(&self.plan, &mut self.logits)
+                .map_err(StepError::from)
+        });
+        let t3 = Instant::now();
+        match ran {
             Ok(()) => {
-                let logits = self.recorded(&plan);
-                let (outputs, forked) = self.postprocess(&plan);
-                StepOutput {
-                    plan,
-                    outputs,
-                    failed: Vec::new(),
-                    forked,
-                    logits,
-                }
+                out.logits = self.recorded(&schedule);
+                self.postprocess(&schedule, &mut out);
             }
             Err(e) => {
                 // A fault of the step fails every sequence in it; the
                 // others (waiting) are untouched.
                 let e = std::sync::Arc::new(e);
-                let failed = plan
-                    .seqs
-                    .iter()
-                    .map(|s| {
-                        self.abort(s.id);
-                        (s.id, e.clone())
-                    })
-                    .collect();
-                StepOutput {
-                    plan,
-                    failed,
-                    ..StepOutput::default()
+                for s in &schedule.seqs {
+                    if let Some((_, _, client)) = self.abort(s.id) {
+                        out.failed.push((s.id, e.clone()));
+                        out.retired.push((s.id, client));
+                    }
                 }
             }
         }
+        out.schedule = schedule;
+        out.timing = StepTiming {
+            schedule_s: (t1 - t0).as_secs_f64(),
+            plan_s: (t2 - t1).as_secs_f64(),
+            execute_s: (t3 - t2).as_secs_f64(),
+            postprocess_s: t3.elapsed().as_secs_f64(),
+        };
+        out
     }
 
-    /// Plan the step; the backend grants memory (and frees the preempted)
-    /// as the scheduler asks.
-    fn schedule(&mut self) -> StepPlan {
-        self.scheduler.schedule(&mut self.kv, &self.requests)
-    }
-
-    /// One batched, ragged forward over every scheduled chunk: a decode
-    /// token, a prompt chunk, or a preempted sequence's recomputation.
-    fn run(&mut self, plan: &StepPlan) -> Result<(), StepError> {
-        self.batch.clear();
-        let mut chunks = Vec::with_capacity(plan.seqs.len());
-        for s in &plan.seqs {
+    /// The runner's plan for a schedule: each chunk's tokens and where its
+    /// K/V lives, and the storage work the bookkeeping recorded.
+    fn build_plan(&mut self, schedule: &Schedule) -> Result<(), StepError> {
+        self.steps += 1;
+        let plan = &mut self.plan;
+        plan.step = self.steps;
+        plan.ops.clear();
+        self.kv.take_ops(&mut plan.ops);
+        plan.seqs.clear();
+        for s in &schedule.seqs {
             let tokens = self
-                .requests
-                .0
-                .get(&s.id)
-                .and_then(|seq| seq.history().get(s.start..s.start + s.len))
+                .scheduler
+                .find(s.id)
+                .and_then(|e| e.data.seq.history().get(s.start..s.start + s.len))
                 .ok_or(StepError::NoTokens(s.id))?;
-            self.batch.push(tokens, s.start)?;
-            chunks.push(Chunk {
+            let kv = self.kv.seq_kv(s.id).ok_or(StepError::NoKv(s.id))?;
+            plan.seqs.push(PlannedSeq {
                 id: s.id,
                 start: s.start,
-                len: s.len,
+                tokens: tokens.to_vec(),
+                kv,
+                logits: s.samples,
             });
         }
-        let vocab = self.model.info().vocab_size;
-        self.logits.resize(plan.seqs.len() * vocab, 0.0);
-        let mut stores = self
-            .kv
-            .stores(&chunks)
-            .map_err(|e| StepError::Stores(Box::new(e)))?;
-        let mut refs: Vec<&mut B::Store<'_>> = stores.iter_mut().collect();
-        self.model
-            .forward_batch(
-                &self.batch,
-                &mut refs,
-                &mut self.workspace,
-                &mut self.logits,
-            )
-            .map_err(|e| StepError::Model(Box::new(e)))
+        Ok(())
     }
 
     /// The sampling rows' logits, when recorded.
-    fn recorded(&self, plan: &StepPlan) -> Vec<(SeqId, Vec<f32>)> {
+    fn recorded(&self, schedule: &Schedule) -> Vec<(SeqId, Vec<f32>)> {
         if !self.record_logits {
             return Vec::new();
         }
-        let vocab = self.model.info().vocab_size;
-        plan.seqs
+        let vocab = self.info.vocab_size;
+        schedule
+            .seqs
             .iter()
-            .enumerate()
-            .filter(|(_, s)| s.samples)
-            .map(|(row, s)| (s.id, self.logits[row * vocab..(row + 1) * vocab].to_vec()))
+            .filter(|s| s.samples)
+            .zip(self.logits.chunks_exact(vocab))
+            .map(|(s, row)| (s.id, row.to_vec()))
             .collect()
     }
 
     /// Sample where a chunk reached the end of its sequence (and fork the
     /// waiting choices of a parent sampling its first token); retire the
     /// finished.
-    fn postprocess(&mut self, plan: &StepPlan) -> (Vec<SeqOutput>, Vec<SeqId>) {
-        let vocab = self.model.info().vocab_size;
-        let mut outputs = Vec::new();
-        let mut forked = Vec::new();
-        for (row, s) in plan.seqs.iter().enumerate() {
-            let Some(seq) = self.requests.0.get_mut(&s.id) else {
+    fn postprocess(&mut self, schedule: &Schedule, out: &mut StepOutput<C>) {
+        let vocab = self.info.vocab_size;
+        let mut row = 0;
+        for s in &schedule.seqs {
+            let Some(e) = self.scheduler.find_mut(s.id) else {
                 continue;
             };
-            self.kv.commit(s.id, seq.history(), s.start + s.len);
+            let computed = s.start + s.len;
+            self.kv
+                .commit(s.id, e.data.seq.history(), &e.data.salt, computed);
             if !s.samples {
                 self.scheduler.on_step(s.id, s.len, false);
                 continue;
             }
             let logits = &mut self.logits[row * vocab..(row + 1) * vocab];
-            let children = self.pending.remove(&s.id).unwrap_or_default();
+            row += 1;
+            let children = std::mem::take(&mut e.data.children);
             // The choices sample from the logits as the model gave them.
             let shared = (!children.is_empty()).then(|| logits.to_vec());
-            let out = sample(seq, s.id, logits, self.tok);
-            self.scheduler.on_step(s.id, s.len, out.is_token);
-            let parent_done = out.step.finish.is_some();
-            outputs.push(out);
-            let computed = s.start + s.len;
+            let o = sample(&mut e.data.seq, s.id, logits, self.tok);
+            let (salt, max_len) = (e.data.salt.clone(), e.max_len);
+            self.scheduler.on_step(s.id, s.len, o.is_token);
+            let parent_done = o.step.finish.is_some();
+            out.outputs.push(o);
             for mut c in children {
                 let fits = self.scheduler.has_running_room() && self.kv.fork(s.id, c.id);
                 if !fits {
-                    self.enqueue(c);
+                    self.enqueue(c, &salt, max_len);
                     continue;
                 }
-                self.scheduler.fork(s.id, c.id, computed);
-                let mut row = shared.clone().unwrap_or_default();
-                let o = sample(&mut c.seq, c.id, &mut row, self.tok);
-                self.scheduler.on_step(c.id, 0, o.is_token);
-                self.requests.0.insert(c.id, c.seq);
-                forked.push(c.id);
-                if o.step.finish.is_some() {
-                    self.abort(c.id);
+                let mut logits = shared.clone().unwrap_or_default();
+                let o = sample(&mut c.seq, c.id, &mut logits, self.tok);
+                let data = SeqData::new(c.seq, salt.clone(), c.client);
+                if let Err(data) = self.scheduler.fork(s.id, c.id, computed, data) {
+                    // Room was checked: not reached; the client is told.
+                    self.kv.free(c.id);
+                    out.retired.push((c.id, data.client));
+                    continue;
                 }
-                outputs.push(o);
+                self.scheduler.on_step(c.id, 0, o.is_token);
+                out.forked.push(c.id);
+                if o.step.finish.is_some() {
+                    self.retire(c.id, out);
+                }
+                out.outputs.push(o);
             }
             if parent_done {
-                self.abort(s.id);
+                self.retire(s.id, out);
             }
         }
-        (outputs, forked)
+    }
+
+    /// A finished sequence leaves; its client goes out with the step.
+    fn retire(&mut self, id: SeqId, out: &mut StepOutput<C>) {
+        if let Some((_, _, client)) = self.abort(id) {
+            out.retired.push((id, client));
+        }
+    }
+
+    /// The model's facts (vocabulary, context, stop ids).
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+}
+
+impl<B: KvBackend, R: ModelRunner> EngineCore<'_, B, R, ()> {
+    /// Queue a request. Returns false when it is finished before it starts
+    /// (`max_tokens == 0`); it is then not held.
+    pub fn add(
+        &mut self,
+        id: SeqId,
+        prompt: &[u32],
+        params: &GenerateParams,
+    ) -> Result<bool, AddError> {
+        self.add_choices(&[id], prompt, params, b"")
+    }
+
+    /// Queue `ids.len()` choices of one prompt (parallel sampling, `n`);
+    /// see [`NewRequest::choices`]. `salt` keys the prefix cache. False
+    /// when all are finished before they start.
+    pub fn add_choices(
+        &mut self,
+        ids: &[SeqId],
+        prompt: &[u32],
+        params: &GenerateParams,
+        salt: &[u8],
+    ) -> Result<bool, AddError> {
+        let req = NewRequest {
+            prompt,
+            params,
+            salt,
+            choices: ids.iter().map(|&id| (id, ())).collect(),
+        };
+        match self.submit(req) {
+            Ok(None) => Ok(true),
+            Ok(Some(_)) => Ok(false),
+            Err((e, _)) => Err(e),
+        }
     }
 }
 

@@ -31,8 +31,9 @@ use p06_server::serial::{engine_error, token_out};
 use p06_server::StartError;
 use tokio::sync::mpsc;
 
-use crate::core::{AddError, ContinuousConfig, EngineCore, StepOutput};
+use crate::core::{AddError, ContinuousConfig, EngineCore, LocalCore, NewRequest, StepOutput};
 use crate::kv_backend::{ContiguousKv, KvBackend};
+use crate::runner::ModelRunner;
 use crate::scheduler::{Scheduler, SchedulerError, SeqId};
 use crate::stats::StepStats;
 
@@ -98,7 +99,8 @@ impl ContinuousEngine {
             ..config
         };
         // Fail here, not on the thread, when the knobs are inconsistent.
-        Scheduler::new(config.scheduler_config()).map_err(|e| StartError::Config(Box::new(e)))?;
+        Scheduler::<()>::check(&config.scheduler_config())
+            .map_err(|e| StartError::Config(Box::new(e)))?;
         let capacity = kv.capacity_bytes();
         let input = InputProcessor::new(tokenizer.clone(), model.info())?;
         let (queue, rx) = std_mpsc::channel();
@@ -232,10 +234,9 @@ fn model_thread<M: BatchModel, B: KvBackend>(
     shared: &Shared,
     config: &ContinuousConfig,
 ) {
-    let Ok(mut core) = EngineCore::with_backend(model, tok, config, kv) else {
+    let Ok(mut core) = LocalCore::<M, B, Client>::with_backend(model, tok, config, kv) else {
         return; // checked in `start`
     };
-    let mut clients: HashMap<SeqId, Client> = HashMap::new();
     let mut next_id: SeqId = 0;
     let gauges = &shared.gauges;
     loop {
@@ -252,66 +253,17 @@ fn model_thread<M: BatchModel, B: KvBackend>(
             .into_iter()
             .chain(std::iter::from_fn(|| queue.try_recv().ok()))
         {
-            let n = job.events.len();
-            let ids: Vec<SeqId> = (next_id..next_id + n as SeqId).collect();
-            next_id += n as SeqId;
-            match core.add_choices(&ids, &job.prompt, &job.params, &job.salt) {
-                Ok(true) => {
-                    for (id, events) in ids.into_iter().zip(job.events) {
-                        let running = false;
-                        let arrival = job.arrival;
-                        clients.insert(
-                            id,
-                            Client {
-                                events,
-                                arrival,
-                                running,
-                            },
-                        );
-                    }
-                }
-                Ok(false) => {
-                    gauges.waiting.fetch_sub(n, Ordering::SeqCst);
-                    for events in job.events {
-                        let _ = events.send(EngineEvent::Done {
-                            finish: Finish::Length,
-                            prompt_tokens: job.prompt.len(),
-                            completion_tokens: 0,
-                        });
-                    }
-                }
-                Err(e) => {
-                    gauges.waiting.fetch_sub(n, Ordering::SeqCst);
-                    let err = match e {
-                        AddError::Request(e) => engine_error(e),
-                        // Only a sequence too long for the cache is the
-                        // request's fault (its prompt + max_tokens); the
-                        // others are this engine's bugs or settings.
-                        AddError::Scheduler(e @ SchedulerError::TooLong { .. }) => {
-                            EngineError::InvalidRequest {
-                                message: e.to_string(),
-                                param: Some("max_tokens".into()),
-                            }
-                        }
-                        AddError::Scheduler(e) => EngineError::Internal(e.to_string()),
-                    };
-                    for events in job.events {
-                        let _ = events.send(EngineEvent::Error(err.clone()));
-                    }
-                }
-            }
+            intake(&mut core, gauges, &mut next_id, job);
         }
         // 2. Cancel: clients that left, or everyone when the server is closing.
         let closing = gauges.is_closing();
-        let gone: Vec<SeqId> = clients
-            .iter()
+        let gone: Vec<SeqId> = core
+            .clients()
             .filter(|(_, c)| closing || c.events.is_closed())
-            .map(|(&id, _)| id)
+            .map(|(id, _)| id)
             .collect();
         for id in gone {
-            if let (Some(c), Some((prompt_tokens, completion_tokens))) =
-                (clients.remove(&id), core.abort(id))
-            {
+            if let Some((prompt_tokens, completion_tokens, c)) = core.abort(id) {
                 leave(gauges, &c);
                 let _ = c.events.send(EngineEvent::Done {
                     finish: Finish::Abort,
@@ -322,10 +274,10 @@ fn model_thread<M: BatchModel, B: KvBackend>(
         }
         // 3. Step.
         let t0 = Instant::now();
-        let out = core.step();
+        let mut out = core.step();
         let step_s = t0.elapsed().as_secs_f64();
         // 4. Stream.
-        update_gauges(gauges, &mut clients, &out);
+        update_gauges(gauges, &mut core, &mut out);
         let kv_bytes = core.kv_bytes();
         gauges.kv_cache_bytes.store(kv_bytes, Ordering::SeqCst);
         shared
@@ -333,24 +285,110 @@ fn model_thread<M: BatchModel, B: KvBackend>(
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .observe(&out, step_s, kv_bytes, core.kv().metrics());
-        stream(tok, gauges, &mut clients, out);
+        stream(tok, gauges, &core, out);
     }
 }
 
-/// Running and waiting gauges from the step's admissions and preemptions.
-fn update_gauges(gauges: &EngineGauges, clients: &mut HashMap<SeqId, Client>, out: &StepOutput) {
-    for id in out.plan.admitted.iter().chain(&out.forked) {
-        if let Some(c) = clients.get_mut(id) {
-            c.running = true;
-            gauges.waiting.fetch_sub(1, Ordering::SeqCst);
-            gauges.running.fetch_add(1, Ordering::SeqCst);
+/// Hand a job to the core as one request of `n` choices, or answer it at
+/// once (nothing to generate, or refused).
+fn intake<B: KvBackend, R: ModelRunner>(
+    core: &mut EngineCore<'_, B, R, Client>,
+    gauges: &EngineGauges,
+    next_id: &mut SeqId,
+    job: Job,
+) {
+    let n = job.events.len();
+    let arrival = job.arrival;
+    let choices = job
+        .events
+        .into_iter()
+        .map(|events| {
+            let id = *next_id;
+            *next_id += 1;
+            let running = false;
+            (
+                id,
+                Client {
+                    events,
+                    arrival,
+                    running,
+                },
+            )
+        })
+        .collect();
+    let req = NewRequest {
+        prompt: &job.prompt,
+        params: &job.params,
+        salt: &job.salt,
+        choices,
+    };
+    let (event, clients) = match core.submit(req) {
+        Ok(None) => return,
+        Ok(Some(clients)) => (
+            EngineEvent::Done {
+                finish: Finish::Length,
+                prompt_tokens: job.prompt.len(),
+                completion_tokens: 0,
+            },
+            clients,
+        ),
+        Err((e, clients)) => {
+            let err = match e {
+                AddError::Request(e) => engine_error(e),
+                // Only a sequence too long for the cache is the
+                // request's fault (its prompt + max_tokens); the
+                // others are this engine's bugs or settings.
+                AddError::Scheduler(e @ SchedulerError::TooLong { .. }) => {
+                    EngineError::InvalidRequest {
+                        message: e.to_string(),
+                        param: Some("max_tokens".into()),
+                    }
+                }
+                AddError::Scheduler(e) => EngineError::Internal(e.to_string()),
+            };
+            (EngineEvent::Error(err), clients)
         }
+    };
+    gauges.waiting.fetch_sub(n, Ordering::SeqCst);
+    for (_, c) in clients {
+        let _ = c.events.send(event.clone());
     }
-    for id in &out.plan.preempted {
-        if let Some(c) = clients.get_mut(id) {
-            c.running = false;
-            gauges.running.fetch_sub(1, Ordering::SeqCst);
-            gauges.waiting.fetch_add(1, Ordering::SeqCst);
+}
+
+/// Running and waiting gauges from the step's admissions and preemptions
+/// (a sequence admitted and finished in the same step is in `retired`).
+fn update_gauges<B: KvBackend, R: ModelRunner>(
+    gauges: &EngineGauges,
+    core: &mut EngineCore<'_, B, R, Client>,
+    out: &mut StepOutput<Client>,
+) {
+    let StepOutput {
+        schedule,
+        forked,
+        retired,
+        ..
+    } = out;
+    let started = schedule.admitted.iter().chain(forked.iter());
+    let moves = started
+        .map(|id| (id, true))
+        .chain(schedule.preempted.iter().map(|id| (id, false)));
+    for (id, running) in moves {
+        let c = match core.client_mut(*id) {
+            Some(c) => c,
+            None => match retired.iter_mut().find(|(r, _)| r == id) {
+                Some((_, c)) => c,
+                None => continue,
+            },
+        };
+        if c.running != running {
+            c.running = running;
+            let (from, to) = if running {
+                (&gauges.waiting, &gauges.running)
+            } else {
+                (&gauges.running, &gauges.waiting)
+            };
+            from.fetch_sub(1, Ordering::SeqCst);
+            to.fetch_add(1, Ordering::SeqCst);
         }
     }
 }
@@ -365,14 +403,15 @@ fn leave(gauges: &EngineGauges, c: &Client) {
     }
 }
 
-fn stream(
+fn stream<B: KvBackend, R: ModelRunner>(
     tok: &Tokenizer,
     gauges: &EngineGauges,
-    clients: &mut HashMap<SeqId, Client>,
-    out: StepOutput,
+    core: &EngineCore<'_, B, R, Client>,
+    out: StepOutput<Client>,
 ) {
+    let mut retired: HashMap<SeqId, Client> = out.retired.into_iter().collect();
     for (id, message) in out.failed {
-        if let Some(c) = clients.remove(&id) {
+        if let Some(c) = retired.remove(&id) {
             leave(gauges, &c);
             let _ = c.events.send(EngineEvent::Error(EngineError::Internal(
                 message.to_string(),
@@ -380,14 +419,14 @@ fn stream(
         }
     }
     for o in out.outputs {
-        let Some(c) = clients.get(&o.id) else {
+        let Some(c) = core.client(o.id).or_else(|| retired.get(&o.id)) else {
             continue;
         };
         if o.is_token {
             let _ = c.events.send(EngineEvent::Token(token_out(tok, &o.step)));
         }
         if let Some(finish) = o.step.finish {
-            if let Some(c) = clients.remove(&o.id) {
+            if let Some(c) = retired.remove(&o.id) {
                 leave(gauges, &c);
                 gauges.observe_service(c.arrival.elapsed().as_secs_f64());
                 let _ = c.events.send(EngineEvent::Done {
@@ -397,5 +436,12 @@ fn stream(
                 });
             }
         }
+    }
+    // Anyone retired without an output or an error is told, not dropped.
+    for (_, c) in retired {
+        leave(gauges, &c);
+        let _ = c.events.send(EngineEvent::Error(EngineError::Internal(
+            "the sequence left the engine without a result".into(),
+        )));
     }
 }

@@ -38,11 +38,16 @@ use crate::kv_backend::KvAllocator;
 /// A sequence's id, chosen by the caller.
 pub type SeqId = u64;
 
-/// Where the scheduler reads a sequence's known tokens (an allocator with
-/// a prefix cache hashes them at admission).
-pub trait TokenSource {
+/// What the scheduler reads of a sequence's own record: its known tokens
+/// and its prefix-cache salt (an allocator with a prefix cache hashes them
+/// at admission).
+pub trait SeqTokens {
     /// At least the sequence's `num_tokens` known tokens.
-    fn tokens(&self, id: SeqId) -> &[u32];
+    fn tokens(&self) -> &[u32];
+
+    fn salt(&self) -> &[u8] {
+        &[]
+    }
 }
 
 /// A step's time in units of one prompt token's cost (at position 0):
@@ -179,9 +184,12 @@ impl SchedulerConfig {
     }
 }
 
-/// What the scheduler tracks of one sequence.
+/// One sequence's record: what the scheduler tracks, and the rest of the
+/// sequence (`data`: for the engine core its tokens, sampler, salt, output
+/// stream and waiting choices). The scheduler's queues hold the records
+/// themselves (nano-vllm's `Sequence` in its `waiting` and `running`).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Entry {
+pub struct Entry<T> {
     pub id: SeqId,
     /// Arrival order (FCFS; preempted sequences keep theirs).
     arrival: u64,
@@ -194,6 +202,7 @@ pub struct Entry {
     /// Steps in which a later arrival was admitted while it could not be.
     pub passed_over: usize,
     pub preemptions: usize,
+    pub data: T,
 }
 
 /// One sequence's part of a step: tokens `start..start + len` of its
@@ -209,9 +218,10 @@ pub struct Scheduled {
     pub samples: bool,
 }
 
-/// The plan of one step.
+/// What the scheduler decided for one step (the engine core turns it into
+/// the runner's [`crate::runner::StepPlan`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct StepPlan {
+pub struct Schedule {
     /// In batch order: decodes, then prefill chunks, then admitted prompts.
     pub seqs: Vec<Scheduled>,
     /// Admitted this step (they were waiting).
@@ -220,7 +230,7 @@ pub struct StepPlan {
     pub preempted: Vec<SeqId>,
 }
 
-impl StepPlan {
+impl Schedule {
     pub fn num_tokens(&self) -> usize {
         self.seqs.iter().map(|s| s.len).sum()
     }
@@ -231,18 +241,25 @@ impl StepPlan {
 }
 
 #[derive(Debug)]
-pub struct Scheduler {
+pub struct Scheduler<T> {
     config: SchedulerConfig,
     /// Sorted by arrival.
-    waiting: VecDeque<Entry>,
+    waiting: VecDeque<Entry<T>>,
     /// In admission order.
-    running: Vec<Entry>,
+    running: Vec<Entry<T>>,
     next_arrival: u64,
     preemptions: u64,
 }
 
-impl Scheduler {
-    pub fn new(config: SchedulerConfig) -> Result<Scheduler, SchedulerError> {
+impl<T> Scheduler<T> {
+    /// Refuse inconsistent knobs (what `new` checks, without a scheduler).
+    pub fn check(config: &SchedulerConfig) -> Result<(), SchedulerError> {
+        config.check()
+    }
+}
+
+impl<T: SeqTokens> Scheduler<T> {
+    pub fn new(config: SchedulerConfig) -> Result<Scheduler<T>, SchedulerError> {
         config.check()?;
         Ok(Scheduler {
             config,
@@ -257,11 +274,9 @@ impl Scheduler {
         &self.config
     }
 
-    /// Queue a sequence of `num_tokens` prompt tokens that may grow to
-    /// `max_len` positions. Refused when even alone it could not fit in
-    /// `capacity` positions of K/V memory.
-    pub fn add(
-        &mut self,
+    /// Whether [`Scheduler::add`] would take this sequence.
+    pub fn can_add(
+        &self,
         id: SeqId,
         num_tokens: usize,
         max_len: usize,
@@ -281,14 +296,59 @@ impl Scheduler {
         if self.find(id).is_some() {
             return Err(SchedulerError::Duplicate(id));
         }
+        Ok(())
+    }
+
+    /// Queue a sequence of `num_tokens` prompt tokens that may grow to
+    /// `max_len` positions. Refused when even alone it could not fit in
+    /// `capacity` positions of K/V memory.
+    pub fn add(
+        &mut self,
+        id: SeqId,
+        num_tokens: usize,
+        max_len: usize,
+        capacity: usize,
+        data: T,
+    ) -> Result<(), SchedulerError> {
+        self.can_add(id, num_tokens, max_len, capacity)?;
         self.waiting.push_back(Entry {
             id,
             arrival: self.next_arrival,
             num_tokens,
             computed: 0,
-            max_len,
+            max_len: max_len.max(num_tokens),
             passed_over: 0,
             preemptions: 0,
+            data,
+        });
+        self.next_arrival += 1;
+        Ok(())
+    }
+
+    /// Run a sequence whose first `computed` tokens already have their K/V
+    /// (imported from another engine; the caller has allocated it), from
+    /// its next step on. False (nothing changed) when the running set is
+    /// full or `id` is known; `data` comes back.
+    pub fn add_running(
+        &mut self,
+        id: SeqId,
+        num_tokens: usize,
+        computed: usize,
+        max_len: usize,
+        data: T,
+    ) -> Result<(), T> {
+        if !self.has_running_room() || self.find(id).is_some() || computed >= num_tokens {
+            return Err(data);
+        }
+        self.running.push(Entry {
+            id,
+            arrival: self.next_arrival,
+            num_tokens,
+            computed,
+            max_len: max_len.max(num_tokens),
+            passed_over: 0,
+            preemptions: 0,
+            data,
         });
         self.next_arrival += 1;
         Ok(())
@@ -304,27 +364,29 @@ impl Scheduler {
     /// whose K/V the caller has forked (a child of parallel sampling skips
     /// the prompt). False (nothing changed) when `parent` is not running,
     /// `child` is known or the running set is full.
-    pub fn fork(&mut self, parent: SeqId, child: SeqId, computed: usize) -> bool {
+    pub fn fork(&mut self, parent: SeqId, child: SeqId, computed: usize, data: T) -> Result<(), T> {
         if !self.has_running_room() || self.find(child).is_some() {
-            return false;
+            return Err(data);
         }
         let Some(p) = self.running.iter().find(|e| e.id == parent) else {
-            return false;
+            return Err(data);
         };
         let entry = Entry {
             id: child,
+            arrival: p.arrival,
             num_tokens: computed,
             computed,
+            max_len: p.max_len,
             passed_over: 0,
             preemptions: 0,
-            ..p.clone()
+            data,
         };
         self.running.push(entry);
-        true
+        Ok(())
     }
 
     /// Forget a sequence (finished or cancelled); the caller frees its memory.
-    pub fn remove(&mut self, id: SeqId) -> Option<Entry> {
+    pub fn remove(&mut self, id: SeqId) -> Option<Entry<T>> {
         if let Some(i) = self.running.iter().position(|e| e.id == id) {
             return Some(self.running.remove(i));
         }
@@ -343,11 +405,32 @@ impl Scheduler {
         }
     }
 
-    pub fn find(&self, id: SeqId) -> Option<&Entry> {
+    pub fn find(&self, id: SeqId) -> Option<&Entry<T>> {
         self.running
             .iter()
             .chain(self.waiting.iter())
             .find(|e| e.id == id)
+    }
+
+    pub fn find_mut(&mut self, id: SeqId) -> Option<&mut Entry<T>> {
+        self.running
+            .iter_mut()
+            .chain(self.waiting.iter_mut())
+            .find(|e| e.id == id)
+    }
+
+    /// Every record, running then waiting.
+    pub fn entries(&self) -> impl Iterator<Item = &Entry<T>> {
+        self.running.iter().chain(self.waiting.iter())
+    }
+
+    pub fn entries_mut(&mut self) -> impl Iterator<Item = &mut Entry<T>> {
+        self.running.iter_mut().chain(self.waiting.iter_mut())
+    }
+
+    /// Whether `id` is running.
+    pub fn is_running(&self, id: SeqId) -> bool {
+        self.running.iter().any(|e| e.id == id)
     }
 
     pub fn num_running(&self) -> usize {
@@ -367,13 +450,12 @@ impl Scheduler {
     }
 
     /// Plan the next step (see the module comment for the policy), asking
-    /// `kv` for memory; `tokens` gives each sequence's known tokens.
-    pub fn schedule<A, T>(&mut self, kv: &mut A, tokens: &T) -> StepPlan
+    /// `kv` for memory.
+    pub fn schedule<A>(&mut self, kv: &mut A) -> Schedule
     where
         A: KvAllocator + ?Sized,
-        T: TokenSource + ?Sized,
     {
-        let mut plan = StepPlan::default();
+        let mut plan = Schedule::default();
         let mut budget = self.config.max_num_batched_tokens;
         let mut cap = PrefillCap::new(None, f64::INFINITY);
         // 1. and 2.: running sequences, decodes before prefill chunks. Once
@@ -419,7 +501,7 @@ impl Scheduler {
         }
         // 3. admission, unless memory ran short this step.
         if plan.preempted.is_empty() {
-            self.admit(kv, tokens, &mut plan, &mut budget, &mut cap);
+            self.admit(kv, &mut plan, &mut budget, &mut cap);
         }
         plan
     }
@@ -435,7 +517,7 @@ impl Scheduler {
         start: usize,
         end: usize,
         max_len: usize,
-        plan: &mut StepPlan,
+        plan: &mut Schedule,
         budget: &mut usize,
     ) -> bool {
         loop {
@@ -464,7 +546,7 @@ impl Scheduler {
         &mut self,
         kv: &mut A,
         id: SeqId,
-        plan: &mut StepPlan,
+        plan: &mut Schedule,
         budget: &mut usize,
     ) {
         let Some(i) = self.running.iter().position(|e| e.id == id) else {
@@ -484,16 +566,9 @@ impl Scheduler {
     }
 
     /// Admit waiting sequences in arrival order (step 3).
-    fn admit<A, T>(
-        &mut self,
-        kv: &mut A,
-        tokens: &T,
-        plan: &mut StepPlan,
-        budget: &mut usize,
-        cap: &mut PrefillCap,
-    ) where
+    fn admit<A>(&mut self, kv: &mut A, plan: &mut Schedule, budget: &mut usize, cap: &mut PrefillCap)
+    where
         A: KvAllocator + ?Sized,
-        T: TokenSource + ?Sized,
     {
         // Waiting sequences that did not fit, and whether a later one got in.
         let mut skipped: Vec<(SeqId, bool)> = Vec::new();
@@ -507,13 +582,13 @@ impl Scheduler {
             if cap.fit(0, 1) == 0 {
                 break; // the prefill allowance is spent: for everyone
             }
-            let Some(known) = tokens.tokens(id).get(..num_tokens) else {
+            let Some(known) = e.data.tokens().get(..num_tokens) else {
                 k += 1; // its tokens are not there (a caller's bug): leave it
                 continue;
             };
             // Memory for the known tokens (a prefix cache may hold some;
             // the last token is always computed, for its logits).
-            let cached = match kv.admit(id, known, max_len) {
+            let cached = match kv.admit(id, known, e.data.salt(), max_len) {
                 Some(c) => c.min(num_tokens - 1),
                 None => {
                     if e.passed_over >= self.config.max_passed_over {

@@ -52,23 +52,23 @@ impl Default for StepStats {
 }
 
 impl StepStats {
-    pub fn observe(
+    pub fn observe<C>(
         &mut self,
-        out: &StepOutput,
+        out: &StepOutput<C>,
         step_s: f64,
         kv_cache_bytes: usize,
         kv_metrics: Vec<KvMetric>,
     ) {
-        self.preemptions += out.plan.preempted.len() as u64;
+        self.preemptions += out.schedule.preempted.len() as u64;
         self.kv_cache_bytes = kv_cache_bytes;
         self.kv_metrics = kv_metrics;
-        if out.plan.is_empty() {
+        if out.schedule.is_empty() {
             return;
         }
         self.steps += 1;
-        self.iteration_tokens.observe(out.plan.num_tokens() as f64);
+        self.iteration_tokens.observe(out.schedule.num_tokens() as f64);
         self.step_seconds.observe(step_s);
-        for s in &out.plan.seqs {
+        for s in &out.schedule.seqs {
             if s.decode {
                 self.decode_tokens += 1;
             } else {

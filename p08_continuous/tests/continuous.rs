@@ -98,7 +98,7 @@ fn a_mixed_workload_gives_every_request_its_tokens_alone() {
             }
         }
         let out = core.step();
-        chunked += out.plan.seqs.iter().filter(|c| !c.samples).count();
+        chunked += out.schedule.seqs.iter().filter(|c| !c.samples).count();
         record(&out, &mut got, &mut done);
         if step > 12 && !core.has_work() {
             break;
@@ -159,9 +159,9 @@ fn running_streams_get_a_token_every_step_while_a_long_prompt_is_prefilled() {
             decoded,
             [0, 1, 2, 3],
             "step {prefill_steps}: {:?}",
-            out.plan
+            out.schedule
         );
-        let chunk = out.plan.seqs.iter().find(|c| c.id == 99).unwrap();
+        let chunk = out.schedule.seqs.iter().find(|c| c.id == 99).unwrap();
         assert!(chunk.len <= budget - 4);
         prefilled += chunk.len;
         prefill_steps += 1;
@@ -192,7 +192,7 @@ fn preemption_under_a_tiny_kv_budget_changes_no_output() {
     let mut preempted = 0;
     for _ in 0..2000 {
         let out = core.step();
-        preempted += out.plan.preempted.len();
+        preempted += out.schedule.preempted.len();
         record(&out, &mut got, &mut done);
         assert!(core.kv_bytes() <= core.kv_capacity_bytes());
         if !core.has_work() {

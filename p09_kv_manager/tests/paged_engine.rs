@@ -99,7 +99,7 @@ fn run(
         }
         let out = core.step();
         assert!(out.failed.is_empty(), "{:?}", out.failed);
-        preempted += out.plan.preempted.len();
+        preempted += out.schedule.preempted.len();
         for o in &out.outputs {
             if o.is_token {
                 got.entry(o.id).or_default().push(o.step.token);

@@ -8,25 +8,29 @@ use crate::kv_backend::ContiguousAllocator;
 /// A scheduler with contiguous-cache accounting; token ids do not matter
 /// to it, so every sequence's tokens are zeros.
 struct Sim {
-    s: Scheduler,
+    s: Scheduler<Zeros>,
     kv: ContiguousAllocator,
 }
 
-struct Zeros(Vec<u32>);
+/// A sequence record whose tokens are all zeros.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Zeros;
 
-impl TokenSource for Zeros {
-    fn tokens(&self, _: SeqId) -> &[u32] {
-        &self.0
+static ZEROS: [u32; 100_000] = [0; 100_000];
+
+impl SeqTokens for Zeros {
+    fn tokens(&self) -> &[u32] {
+        &ZEROS
     }
 }
 
 impl Sim {
     fn add(&mut self, id: SeqId, num_tokens: usize, max_len: usize) -> Result<(), SchedulerError> {
         self.s
-            .add(id, num_tokens, max_len, self.kv.capacity_positions())
+            .add(id, num_tokens, max_len, self.kv.capacity_positions(), Zeros)
     }
 
-    fn find(&self, id: SeqId) -> Option<&Entry> {
+    fn find(&self, id: SeqId) -> Option<&Entry<Zeros>> {
         self.s.find(id)
     }
 }
@@ -49,9 +53,8 @@ fn config(budget: usize, seqs: usize) -> SchedulerConfig {
 
 /// Run one planned step; sequences that reach `max_len` tokens finish.
 /// Returns the plan.
-fn step(sim: &mut Sim) -> StepPlan {
-    let zeros = Zeros(vec![0; 100_000]);
-    let plan = sim.s.schedule(&mut sim.kv, &zeros);
+fn step(sim: &mut Sim) -> Schedule {
+    let plan = sim.s.schedule(&mut sim.kv);
     check_plan(sim, &plan);
     for sc in &plan.seqs {
         sim.s.on_step(sc.id, sc.len, sc.samples);
@@ -66,7 +69,7 @@ fn step(sim: &mut Sim) -> StepPlan {
 
 /// Invariants of every plan: within the token budget and the sequence cap,
 /// memory within the budget, each sequence once, chunks contiguous.
-fn check_plan(sim: &Sim, plan: &StepPlan) {
+fn check_plan(sim: &Sim, plan: &Schedule) {
     let c = sim.s.config();
     assert!(plan.num_tokens() <= c.max_num_batched_tokens, "{plan:?}");
     assert!(plan.seqs.len() <= c.max_num_seqs);
@@ -94,11 +97,11 @@ fn check_plan(sim: &Sim, plan: &StepPlan) {
 #[test]
 fn config_is_checked() {
     assert_eq!(
-        Scheduler::new(config(4, 8)).unwrap_err(),
+        Scheduler::<Zeros>::new(config(4, 8)).unwrap_err(),
         SchedulerError::BudgetBelowSeqs { tokens: 4, seqs: 8 }
     );
     assert_eq!(
-        Scheduler::new(config(4, 0)).unwrap_err(),
+        Scheduler::<Zeros>::new(config(4, 0)).unwrap_err(),
         SchedulerError::NoSeqs
     );
     let mut s = sim(64, 4, 100);
