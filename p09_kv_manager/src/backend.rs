@@ -1,23 +1,22 @@
 //! Paged blocks as Project 08's K/V backend: the continuous scheduler now
 //! admits and preempts on free blocks, an admitted request starts with the
-//! tokens its cached prefix already covers, and each step reads and writes
-//! through block tables.
-
-use std::collections::HashMap;
+//! tokens its cached prefix already covers, and each step's plan carries
+//! the block tables the runner reads and writes through.
 
 use common::batch::KvShape;
-use p08_continuous::kv_backend::{Chunk, KvAllocator, KvBackend, KvMetric};
+use p08_continuous::kv_backend::{KvAllocator, KvBackend, KvMetric};
+use p08_continuous::runner::{KvOp, SeqKv};
 use p08_continuous::scheduler::SeqId;
 
 use crate::block_pool::{BlockPool, PoolError};
+use crate::block_storage::BlockStorage;
 use crate::manager::KvManager;
-use crate::paged_store::PagedStore;
 
+/// The core's side of paged K/V: the block manager. The blocks' memory
+/// is the runner's [`BlockStorage`].
 #[derive(Debug)]
 pub struct PagedKv {
     m: KvManager,
-    /// Requests' `cache_salt`s, kept across preemptions.
-    salts: HashMap<SeqId, Vec<u8>>,
 }
 
 impl PagedKv {
@@ -33,10 +32,7 @@ impl PagedKv {
     }
 
     pub fn from_manager(m: KvManager) -> PagedKv {
-        PagedKv {
-            m,
-            salts: HashMap::new(),
-        }
+        PagedKv { m }
     }
 
     pub fn manager(&self) -> &KvManager {
@@ -45,10 +41,9 @@ impl PagedKv {
 }
 
 impl KvAllocator for PagedKv {
-    fn admit(&mut self, id: SeqId, tokens: &[u32], max_len: usize) -> Option<usize> {
+    fn admit(&mut self, id: SeqId, tokens: &[u32], salt: &[u8], max_len: usize) -> Option<usize> {
         // Room for the known tokens and the first decode (one block at a time after).
         let reserve = (tokens.len() + 1).min(max_len.max(tokens.len()));
-        let salt = self.salts.get(&id).map_or(&[][..], Vec::as_slice);
         self.m.admit(id, tokens, salt, reserve)
     }
 
@@ -72,28 +67,27 @@ impl KvAllocator for PagedKv {
 }
 
 impl KvBackend for PagedKv {
-    type Store<'s> = PagedStore<'s>;
-    type Error = PoolError;
+    type Storage = BlockStorage;
 
-    fn stores(&mut self, chunks: &[Chunk]) -> Result<Vec<PagedStore<'_>>, PoolError> {
-        let chunks: Vec<(SeqId, usize, usize)> =
-            chunks.iter().map(|c| (c.id, c.start, c.len)).collect();
-        self.m.stores(&chunks)
+    fn new_storage(&self) -> BlockStorage {
+        self.m.new_storage()
     }
 
-    fn commit(&mut self, id: SeqId, tokens: &[u32], computed: usize) {
-        self.m.commit(id, tokens, computed);
+    fn seq_kv(&self, id: SeqId) -> Option<SeqKv> {
+        self.m.table(id).map(|t| SeqKv::Blocks(t.to_vec()))
     }
 
-    fn set_salt(&mut self, id: SeqId, salt: &[u8]) {
-        if !salt.is_empty() {
-            self.salts.insert(id, salt.to_vec());
-        }
+    fn take_ops(&mut self, into: &mut Vec<KvOp>) {
+        self.m.take_ops(into);
     }
 
-    fn release(&mut self, id: SeqId) {
-        self.salts.remove(&id);
-        self.m.free(id);
+    fn admit_computed(&mut self, id: SeqId, tokens: &[u32], max_len: usize) -> bool {
+        let reserve = (tokens.len() + 1).min(max_len.max(tokens.len()));
+        self.m.admit_fresh(id, tokens, reserve)
+    }
+
+    fn commit(&mut self, id: SeqId, tokens: &[u32], salt: &[u8], computed: usize) {
+        self.m.commit(id, tokens, salt, computed);
     }
 
     fn used_bytes(&self) -> usize {

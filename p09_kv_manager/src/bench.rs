@@ -27,7 +27,8 @@ use p05_kv_cache::kv_cache::KvCache;
 use p05_kv_cache::llama_engine::LlamaEngine;
 use p07_batching::bench::decode_stores;
 use p07_batching::bench_cmd::load_model;
-use p08_continuous::{ContinuousConfig, EngineCore};
+use p08_continuous::runner::{KvStorage, PlannedSeq, SeqKv};
+use p08_continuous::{ContinuousConfig, EngineCore, LocalCore};
 
 use crate::{BlockPool, KvManager, PagedKv};
 
@@ -199,7 +200,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     };
     let kv = PagedKv::new(shape, bs, 1 << 30, true)?;
     let mut core = EngineCore::with_backend(&engine, &tok, &config, kv)?;
-    let ttft = |core: &mut EngineCore<'_, LlamaEngine, PagedKv>, id: u64, q: &str| -> Result<f64> {
+    let ttft = |core: &mut LocalCore<'_, LlamaEngine, PagedKv>, id: u64, q: &str| -> Result<f64> {
         let mut p = system.clone();
         p.extend(tok.encode(q));
         let t0 = Instant::now();
@@ -406,7 +407,17 @@ fn decode_step_times(
     for i in 0..batch as u64 {
         m.admit(i, &zeros, b"", pos + 1);
     }
-    let chunks: Vec<(u64, usize, usize)> = (0..batch as u64).map(|i| (i, pos, 1)).collect();
+    // The step's plan as the runner gets it: block tables, no copies.
+    let mut storage = m.new_storage();
+    let seqs: Vec<PlannedSeq> = (0..batch as u64)
+        .map(|i| PlannedSeq {
+            id: i,
+            start: pos,
+            tokens: vec![100 + i as u32],
+            kv: SeqKv::Blocks(m.table(i).unwrap_or_default().to_vec()),
+            logits: true,
+        })
+        .collect();
     let cfg = BenchConfig {
         warmup_iters: 2,
         min_samples: samples,
@@ -424,7 +435,7 @@ fn decode_step_times(
             kv.iter_mut()
                 .for_each(|c| c.set_len(pos).expect("each store was made with room"));
         });
-        let p = time_it(cfg, || match m.stores(&chunks) {
+        let p = time_it(cfg, || match storage.stores(&seqs) {
             Ok(mut stores) => {
                 let mut refs: Vec<&mut _> = stores.iter_mut().collect();
                 if let Err(e) = engine.forward_batch(&b, &mut refs, &mut ws, &mut logits) {

@@ -1,22 +1,23 @@
-//! The block pool: all K/V memory, allocated once at start as fixed-size
-//! blocks (vLLM's `BlockPool`, nano-vllm's `BlockManager`).
+//! The block pool: the bookkeeping of all K/V memory, fixed-size blocks
+//! counted once at start (vLLM's `BlockPool`, nano-vllm's `BlockManager`).
+//! It holds no K/V: the blocks' memory is the runner's
+//! ([`crate::block_storage::BlockStorage`], on every rank), while ids,
+//! reference counts, prefix hashes and the free list live here, once.
 //!
-//! A block holds `block_size` consecutive positions of one sequence, for
-//! every layer: (n_layer, 2 (K, V), n_kv_head, block_size, head_dim), so
-//! one KV head's keys for the block are contiguous (one run for the
-//! attention). Each block has a reference count (several sequences may
-//! share a prompt prefix); a block nobody holds is **free**. A free block
-//! that is full and hashed stays in the prefix cache until it is evicted:
-//! the free list is kept in eviction order (least recently freed first),
-//! and allocating takes its front.
+//! A block holds `block_size` consecutive positions of one sequence. Each
+//! block has a reference count (several sequences may share a prompt
+//! prefix); a block nobody holds is **free**. A free block that is full
+//! and hashed stays in the prefix cache until it is evicted: the free list
+//! is kept in eviction order (least recently freed first), and allocating
+//! takes its front.
 
 use std::collections::{BTreeMap, HashMap};
 
 use common::batch::KvShape;
 use thiserror::Error;
 
-/// Index of a block in the pool.
-pub type BlockId = u32;
+/// Index of a block in the pool (the plan's block ids).
+pub use p08_continuous::runner::BlockId;
 
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum PoolError {
@@ -28,8 +29,8 @@ pub enum PoolError {
     OutOfRange(BlockId),
     #[error("block {0} is free")]
     NotHeld(BlockId),
-    #[error("block {block} is written by a step but held by {refs} sequences")]
-    SharedWrite { block: BlockId, refs: u32 },
+    #[error("block {0} is written twice in one step (or written and read by another sequence)")]
+    SharedWrite(BlockId),
     #[error("sequence {0} holds no blocks")]
     UnknownSequence(u64),
     #[error("sequence {seq} needs {positions} positions but holds {blocks} blocks")]
@@ -56,8 +57,6 @@ struct CachedBlock {
 pub struct BlockPool {
     shape: KvShape,
     block_size: usize,
-    /// (num_blocks,), each (n_layer, 2, n_kv_head, block_size, head_dim)
-    storage: Vec<Box<[f32]>>,
     ref_count: Vec<u32>,
     /// Bumped each time a block is allocated: tells incarnations apart.
     generation: Vec<u64>,
@@ -85,13 +84,9 @@ impl BlockPool {
         if block_size == 0 {
             return Err(PoolError::BlockSize);
         }
-        let floats = block_floats(shape, block_size);
         let mut pool = BlockPool {
             shape,
             block_size,
-            storage: (0..num_blocks)
-                .map(|_| vec![0.0f32; floats].into_boxed_slice())
-                .collect(),
             ref_count: vec![0; num_blocks],
             generation: vec![0; num_blocks],
             cached: vec![None; num_blocks],
@@ -133,7 +128,7 @@ impl BlockPool {
     }
 
     pub fn num_blocks(&self) -> usize {
-        self.storage.len()
+        self.ref_count.len()
     }
 
     /// Blocks nobody holds (cached ones included: they can be evicted).
@@ -272,44 +267,9 @@ impl BlockPool {
         self.cached.get(id as usize).is_some_and(Option::is_some)
     }
 
-    /// Copy a block's K/V (copy-on-write).
-    pub fn copy(&mut self, src: BlockId, dst: BlockId) -> Result<(), PoolError> {
-        let (s, d) = (self.index(src)?, self.index(dst)?);
-        if s != d {
-            let data = self.storage[s].clone();
-            self.storage[d].copy_from_slice(&data);
-        }
-        Ok(())
-    }
-
-    /// The blocks' memory for one step: `writes` (each held by exactly one
-    /// sequence, each listed once) mutable, every other block readable.
-    /// Returns (writable in the order of `writes`, readable by id).
-    #[allow(clippy::type_complexity)]
-    pub fn split(
-        &mut self,
-        writes: &[BlockId],
-    ) -> Result<(Vec<&mut [f32]>, Vec<Option<&[f32]>>), PoolError> {
-        for &w in writes {
-            let refs = self.ref_count(w);
-            if refs != 1 {
-                return Err(PoolError::SharedWrite { block: w, refs });
-            }
-        }
-        let mut slots: Vec<Option<&mut [f32]>> =
-            self.storage.iter_mut().map(|b| Some(&mut **b)).collect();
-        let mut writable = Vec::with_capacity(writes.len());
-        for &w in writes {
-            let slot = slots.get_mut(w as usize).and_then(Option::take);
-            writable.push(slot.ok_or(PoolError::OutOfRange(w))?);
-        }
-        let readable = slots.into_iter().map(|s| s.map(|m| &*m)).collect();
-        Ok((writable, readable))
-    }
-
     fn index(&self, id: BlockId) -> Result<usize, PoolError> {
         let i = id as usize;
-        if i >= self.storage.len() {
+        if i >= self.ref_count.len() {
             return Err(PoolError::OutOfRange(id));
         }
         Ok(i)

@@ -5,7 +5,9 @@
 //!   reused (hash hit, confirmed by tokens; never the whole prompt: the
 //!   last token is always computed, for its logits), the rest allocated;
 //! - **grow**: more blocks as positions are appended, one block at a
-//!   time; a shared block about to be written is copied first;
+//!   time; a shared block about to be written is replaced by a fresh one,
+//!   and the copy is recorded for the runner to make before the step
+//!   ([`KvManager::take_ops`]: the bookkeeping moves no K/V);
 //! - **commit**: blocks that became full are hashed and enter the prefix
 //!   cache (they stay there after their sequence ends, until evicted);
 //! - **free**: a sequence's blocks are released tail first, so its tail
@@ -15,9 +17,12 @@
 
 use std::collections::HashMap;
 
-use crate::block_pool::{BlockId, BlockPool, PoolError};
-use crate::paged_store::{BlockRef, PagedStore};
-use crate::prefix_hash::{BlockHasher, SipBlockHasher};
+use p08_continuous::kv_transfer::KvLayout;
+use p08_continuous::runner::KvOp;
+
+use crate::block_pool::{BlockId, BlockPool};
+use crate::block_storage::BlockStorage;
+use crate::prefix_hash::{BlockHasher, Xxh3BlockHasher};
 
 /// A sequence's id, chosen by the caller (the scheduler's).
 pub type SeqId = u64;
@@ -28,8 +33,6 @@ struct SeqBlocks {
     table: Vec<BlockId>,
     /// Chained hashes of the full blocks committed so far.
     hashes: Vec<u64>,
-    /// Extra hash key (a tenant's cache salt).
-    salt: Vec<u8>,
 }
 
 /// Prefix-cache counters, in tokens (vLLM's `prefix_cache_queries`/`hits`).
@@ -46,11 +49,13 @@ pub struct KvManager {
     seqs: HashMap<SeqId, SeqBlocks>,
     prefix_caching: bool,
     stats: PrefixStats,
+    /// Copies recorded by `grow`, for the runner.
+    ops: Vec<KvOp>,
 }
 
 impl KvManager {
     pub fn new(pool: BlockPool, prefix_caching: bool) -> KvManager {
-        KvManager::with_hasher(pool, prefix_caching, Box::new(SipBlockHasher))
+        KvManager::with_hasher(pool, prefix_caching, Box::new(Xxh3BlockHasher))
     }
 
     pub fn with_hasher(
@@ -64,7 +69,23 @@ impl KvManager {
             seqs: HashMap::new(),
             prefix_caching,
             stats: PrefixStats::default(),
+            ops: Vec::new(),
         }
+    }
+
+    /// A storage for this pool: every block, every K/V head.
+    pub fn new_storage(&self) -> BlockStorage {
+        BlockStorage::new(self.layout(), self.pool.num_blocks())
+    }
+
+    /// The layout of this pool's blocks (all K/V heads).
+    pub fn layout(&self) -> KvLayout {
+        KvLayout::whole(self.pool.shape(), self.pool.block_size())
+    }
+
+    /// The copies recorded since the last call, in order.
+    pub fn take_ops(&mut self, into: &mut Vec<KvOp>) {
+        into.append(&mut self.ops);
     }
 
     pub fn pool(&self) -> &BlockPool {
@@ -104,13 +125,30 @@ impl KvManager {
         salt: &[u8],
         reserve: usize,
     ) -> Option<usize> {
+        self.admit_with(id, tokens, salt, reserve, true)
+    }
+
+    /// Admit `id` with fresh blocks for `reserve` positions, looking up no
+    /// prefix: its K/V arrives computed (an import writes every block).
+    pub fn admit_fresh(&mut self, id: SeqId, tokens: &[u32], reserve: usize) -> bool {
+        self.admit_with(id, tokens, &[], reserve, false).is_some()
+    }
+
+    fn admit_with(
+        &mut self,
+        id: SeqId,
+        tokens: &[u32],
+        salt: &[u8],
+        reserve: usize,
+        lookup: bool,
+    ) -> Option<usize> {
         if self.seqs.contains_key(&id) {
             return None;
         }
         let bs = self.block_size();
         // The cached prefix: full blocks, leaving at least the last token to compute.
         let mut hits: Vec<(BlockId, u64)> = Vec::new();
-        if self.prefix_caching && !tokens.is_empty() {
+        if self.prefix_caching && lookup && !tokens.is_empty() {
             let (mut parent_hash, mut parent_block) = (None, None);
             for block in tokens[..tokens.len() - 1].chunks_exact(bs) {
                 let h = self.hasher.hash(parent_hash, block, salt);
@@ -131,14 +169,11 @@ impl KvManager {
         if need > self.pool.num_free() - hits_free {
             return None;
         }
-        if self.prefix_caching {
+        if self.prefix_caching && lookup {
             self.stats.queries += tokens.len() as u64;
             self.stats.hits += (hits.len() * bs) as u64;
         }
-        let mut seq = SeqBlocks {
-            salt: salt.to_vec(),
-            ..SeqBlocks::default()
-        };
+        let mut seq = SeqBlocks::default();
         for (b, h) in hits {
             // In range and counted above: cannot fail.
             let _ = self.pool.acquire(b);
@@ -179,7 +214,7 @@ impl KvManager {
             let b = seq.table[i];
             if i * bs < end && self.pool.ref_count(b) > 1 {
                 if let Some(copy) = self.pool.allocate() {
-                    let _ = self.pool.copy(b, copy);
+                    self.ops.push(KvOp::CopyBlock { src: b, dst: copy });
                     let _ = self.pool.release(b);
                     seq.table[i] = copy;
                     // A copied block is this sequence's own from here.
@@ -194,8 +229,8 @@ impl KvManager {
     }
 
     /// After a step: the first `computed` of `tokens` have their K/V in
-    /// `id`'s blocks; full blocks enter the prefix cache.
-    pub fn commit(&mut self, id: SeqId, tokens: &[u32], computed: usize) {
+    /// `id`'s blocks; full blocks enter the prefix cache under `salt`.
+    pub fn commit(&mut self, id: SeqId, tokens: &[u32], salt: &[u8], computed: usize) {
         if !self.prefix_caching {
             return;
         }
@@ -207,13 +242,9 @@ impl KvManager {
         while seq.hashes.len() < full {
             let i = seq.hashes.len();
             let block = &tokens[i * bs..(i + 1) * bs];
-            let h = self
-                .hasher
-                .hash(seq.hashes.last().copied(), block, &seq.salt);
+            let h = self.hasher.hash(seq.hashes.last().copied(), block, salt);
             let parent = i.checked_sub(1).map(|p| seq.table[p]);
-            let _ = self
-                .pool
-                .register(seq.table[i], h, parent, block, &seq.salt);
+            let _ = self.pool.register(seq.table[i], h, parent, block, salt);
             seq.hashes.push(h);
         }
     }
@@ -239,64 +270,12 @@ impl KvManager {
         let seq = SeqBlocks {
             table: p.table.clone(),
             hashes: p.hashes.clone(),
-            salt: p.salt.clone(),
         };
         for &b in &seq.table {
             let _ = self.pool.acquire(b);
         }
         self.seqs.insert(child, seq);
         true
-    }
-
-    /// The step's stores, in `chunks` order: (id, K/V length, new tokens).
-    /// Blocks covering each chunk are writable (each held by that sequence
-    /// alone, after [`KvManager::grow`]); every other block is read in place.
-    pub fn stores(
-        &mut self,
-        chunks: &[(SeqId, usize, usize)],
-    ) -> Result<Vec<PagedStore<'_>>, PoolError> {
-        let bs = self.block_size();
-        let mut writes: Vec<BlockId> = Vec::new();
-        let mut plan: Vec<(&[BlockId], usize, std::ops::Range<usize>)> =
-            Vec::with_capacity(chunks.len());
-        for &(id, len, n) in chunks {
-            let table = self
-                .seqs
-                .get(&id)
-                .map(|s| s.table.as_slice())
-                .ok_or(PoolError::UnknownSequence(id))?;
-            let range = len / bs..(len + n).div_ceil(bs);
-            if range.end > table.len() {
-                return Err(PoolError::NoRoom {
-                    seq: id,
-                    positions: len + n,
-                    blocks: table.len(),
-                });
-            }
-            writes.extend_from_slice(&table[range.clone()]);
-            plan.push((table, len, range));
-        }
-        let shape = self.pool.shape();
-        // `seqs` and `pool` are separate fields: the tables stay borrowed
-        // while the pool lends its blocks.
-        let (writable, readable) = self.pool.split(&writes)?;
-        let mut writable = writable.into_iter();
-        let mut stores = Vec::with_capacity(plan.len());
-        for (table, len, range) in plan {
-            let mut blocks = Vec::with_capacity(table.len());
-            for (i, &b) in table.iter().enumerate() {
-                if range.contains(&i) {
-                    blocks.push(BlockRef::Write(
-                        writable.next().ok_or(PoolError::OutOfRange(b))?,
-                    ));
-                } else {
-                    let r = readable.get(b as usize).copied().flatten();
-                    blocks.push(BlockRef::Read(r.ok_or(PoolError::OutOfRange(b))?));
-                }
-            }
-            stores.push(PagedStore::new(shape, bs, len, blocks));
-        }
-        Ok(stores)
     }
 }
 

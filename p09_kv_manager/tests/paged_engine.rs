@@ -16,7 +16,7 @@ use p04_transformer::Tokenizer;
 use p05_kv_cache::generate::{generate, GenerateParams};
 use p05_kv_cache::llama_engine::LlamaEngine;
 use p08_continuous::scheduler::SeqId;
-use p08_continuous::{ContinuousConfig, EngineCore};
+use p08_continuous::{ContinuousConfig, EngineCore, LocalCore};
 use p09_kv_manager::prefix_hash::BlockHasher;
 use p09_kv_manager::{BlockPool, KvManager, PagedKv};
 
@@ -84,7 +84,7 @@ fn paged(blocks: usize, hasher: Option<Box<dyn BlockHasher>>) -> PagedKv {
 
 /// Run requests (arrival step, prompt, max_tokens) to the end; their tokens.
 fn run(
-    core: &mut EngineCore<'_, LlamaEngine, PagedKv>,
+    core: &mut LocalCore<'_, LlamaEngine, PagedKv>,
     work: &[(usize, Vec<u32>, usize)],
 ) -> (HashMap<SeqId, Vec<u32>>, usize) {
     let mut got: HashMap<SeqId, Vec<u32>> = HashMap::new();
@@ -208,7 +208,7 @@ fn sampled(max_tokens: usize, seed: u64) -> GenerateParams {
 /// Run one request of `ids.len()` choices to the end: each choice's tokens,
 /// and the most K/V bytes held at once.
 fn run_choices<B: p08_continuous::kv_backend::KvBackend>(
-    core: &mut EngineCore<'_, LlamaEngine, B>,
+    core: &mut LocalCore<'_, LlamaEngine, B>,
     ids: &[SeqId],
     prompt: &[u32],
     params: &GenerateParams,

@@ -5,6 +5,7 @@
 use common::batch::{Batch, BatchModel};
 use p05_kv_cache::kv_cache::KvCache;
 use p05_kv_cache::llama_engine::LlamaEngine;
+use p08_continuous::runner::{KvStorage, PlannedSeq, SeqKv};
 use p09_kv_manager::{BlockPool, KvManager};
 
 fn smollm2() -> LlamaEngine {
@@ -31,6 +32,7 @@ fn compare(engine: &LlamaEngine, block_size: usize, prompts: &[Vec<u32>], steps:
         })
         .collect();
     let mut m = KvManager::new(BlockPool::new(shape, block_size, 64).unwrap(), true);
+    let mut storage = m.new_storage();
     for (i, p) in prompts.iter().enumerate() {
         assert_eq!(m.admit(i as u64, p, b"", p.len() + steps), Some(0));
     }
@@ -56,9 +58,21 @@ fn compare(engine: &LlamaEngine, block_size: usize, prompts: &[Vec<u32>], steps:
         for &(id, start, len) in &chunks {
             assert!(m.grow(id, start, start + len));
         }
+        // The plan as the runner gets it: each sequence's block table.
+        let seqs: Vec<PlannedSeq> = chunks
+            .iter()
+            .zip(&inputs)
+            .map(|(&(id, start, _), t)| PlannedSeq {
+                id,
+                start,
+                tokens: t.clone(),
+                kv: SeqKv::Blocks(m.table(id).unwrap().to_vec()),
+                logits: true,
+            })
+            .collect();
         let mut got = vec![0.0f32; n * vocab];
         {
-            let mut stores = m.stores(&chunks).unwrap();
+            let mut stores = storage.stores(&seqs).unwrap();
             let mut refs: Vec<&mut _> = stores.iter_mut().collect();
             engine
                 .forward_batch(&batch, &mut refs, &mut ws, &mut got)

@@ -8,44 +8,18 @@
 //! bit for bit, on native weights (greedy and seeded sampling) and f32.
 
 use std::collections::HashMap;
-use std::sync::OnceLock;
 
 use common::batch::BatchModel;
 use p04_transformer::Tokenizer;
 use p05_kv_cache::generate::GenerateParams;
 use p05_kv_cache::llama_engine::LlamaEngine;
 use p08_continuous::scheduler::SeqId;
-use p08_continuous::{ContinuousConfig, EngineCore};
+use p08_continuous::{ContinuousConfig, EngineCore, LocalCore};
 use p09_kv_manager::{BlockPool, KvManager, PagedKv};
 
-struct Model {
-    engine: LlamaEngine,
-    tok: Tokenizer,
-}
+mod support;
 
-fn load(native: bool) -> Model {
-    let path =
-        common::assets::ensure(common::assets::Asset::SmolLm2).unwrap_or_else(|e| panic!("{e}"));
-    let loaded = match native {
-        true => p10_quant::loader::load_native(&path, p10_quant::NativeWeights::detect()),
-        false => p10_quant::loader::load(&path, false),
-    }
-    .unwrap();
-    Model {
-        engine: loaded.engine,
-        tok: loaded.tokenizer.unwrap(),
-    }
-}
-
-fn native() -> &'static Model {
-    static M: OnceLock<Model> = OnceLock::new();
-    M.get_or_init(|| load(true))
-}
-
-fn f32_model() -> &'static Model {
-    static M: OnceLock<Model> = OnceLock::new();
-    M.get_or_init(|| load(false))
-}
+use support::{f32_model, native, Model};
 
 const TARGETS: [&str; 8] = [
     "What is the capital of France?",
@@ -121,7 +95,7 @@ type Rows = HashMap<SeqId, Vec<(u32, Vec<f32>)>>;
 
 /// Run `work` (arrival step, request) to the end on `core`; the rows and
 /// the preemptions seen.
-fn run(core: &mut EngineCore<'_, LlamaEngine, PagedKv>, work: &[(usize, Req)]) -> (Rows, usize) {
+fn run(core: &mut LocalCore<'_, LlamaEngine, PagedKv>, work: &[(usize, Req)]) -> (Rows, usize) {
     core.record_logits(true);
     let mut rows: Rows = HashMap::new();
     let mut preempted = 0;
@@ -134,7 +108,7 @@ fn run(core: &mut EngineCore<'_, LlamaEngine, PagedKv>, work: &[(usize, Req)]) -
         }
         let out = core.step();
         assert!(out.failed.is_empty(), "{:?}", out.failed);
-        preempted += out.plan.preempted.len();
+        preempted += out.schedule.preempted.len();
         let mut logits: HashMap<SeqId, Vec<f32>> = out.logits.into_iter().collect();
         for o in &out.outputs {
             let row = logits

@@ -15,11 +15,10 @@
 //! Ejected backends (failed health checks) are left out; open breakers
 //! are skipped when a request is sent (see `proxy`).
 
-use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use p09_kv_manager::prefix_hash::{block_hashes, SipBlockHasher};
+use p09_kv_manager::prefix_hash::{block_hashes, Xxh3BlockHasher};
 
 use crate::breaker::{Breaker, BreakerConfig};
 use crate::config::Policy;
@@ -75,16 +74,18 @@ pub struct Pool {
 /// its first `prefix_tokens` tokens (`None` when it has no full block).
 pub fn prefix_key(prompt: &[u32], a: Affinity) -> Option<u64> {
     let head = &prompt[..prompt.len().min(a.prefix_tokens)];
-    block_hashes(&SipBlockHasher, head, a.block_tokens, b"")
+    block_hashes(&Xxh3BlockHasher, head, a.block_tokens, b"")
         .last()
         .copied()
 }
 
+/// Rendezvous weight of a backend for a key: XXH3 of the key's 8 bytes
+/// and the URL, so every gateway replica ranks backends alike.
 fn rendezvous(key: u64, url: &str) -> u64 {
-    let mut h = DefaultHasher::new();
-    key.hash(&mut h);
-    url.hash(&mut h);
-    h.finish()
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(&key.to_le_bytes());
+    h.update(url.as_bytes());
+    h.digest()
 }
 
 impl Pool {

@@ -3,9 +3,36 @@
 //! copy-on-write after a fork, and failure without side effects.
 
 use super::*;
+use crate::paged_store::PagedStore;
 use crate::prefix_hash::BlockHasher;
 use common::batch::{KvShape, KvStore};
+use p08_continuous::runner::{KvStorage, PlannedSeq, SeqKv};
 use std::collections::HashMap;
+
+/// The step's stores as a runner makes them: the recorded copies first,
+/// then each (id, K/V length, new tokens) through its block table.
+fn stores<'s>(
+    m: &mut KvManager,
+    st: &'s mut BlockStorage,
+    chunks: &[(SeqId, usize, usize)],
+) -> Vec<PagedStore<'s>> {
+    let mut ops = Vec::new();
+    m.take_ops(&mut ops);
+    for op in &ops {
+        st.apply(op).unwrap();
+    }
+    let seqs: Vec<PlannedSeq> = chunks
+        .iter()
+        .map(|&(id, start, n)| PlannedSeq {
+            id,
+            start,
+            tokens: vec![0; n],
+            kv: SeqKv::Blocks(m.table(id).unwrap().to_vec()),
+            logits: true,
+        })
+        .collect();
+    st.stores(&seqs).unwrap()
+}
 
 const SHAPE: KvShape = KvShape {
     n_layer: 2,
@@ -52,7 +79,7 @@ fn a_cached_prefix_is_reused_but_the_last_token_is_always_computed() {
     let mut m = manager(8, None);
     let prompt: Vec<u32> = (0..10).collect();
     m.admit(1, &prompt, b"", 11).unwrap();
-    m.commit(1, &prompt, 10); // blocks 0 and 1 are full: cached
+    m.commit(1, &prompt, b"", 10); // blocks 0 and 1 are full: cached
     let first = m.table(1).unwrap()[..2].to_vec();
     m.free(1);
     // Same 8-token prefix: two blocks hit, positions 8.. computed.
@@ -74,7 +101,7 @@ fn a_colliding_hash_never_serves_another_prefixs_blocks() {
     let mut m = manager(8, Some(Box::new(Colliding)));
     let a: Vec<u32> = (0..9).collect();
     m.admit(1, &a, b"", 9).unwrap();
-    m.commit(1, &a, 9);
+    m.commit(1, &a, b"", 9);
     m.free(1);
     // Same hash (7) for every block, different tokens: no hit.
     let b: Vec<u32> = (100..109).collect();
@@ -88,7 +115,7 @@ fn a_colliding_hash_never_serves_another_prefixs_blocks() {
     let mut m = manager(8, Some(Box::new(Colliding)));
     let twice = [5, 5, 5, 5, 5, 5, 5, 5, 5];
     m.admit(4, &twice, b"", 9).unwrap();
-    m.commit(4, &twice, 9);
+    m.commit(4, &twice, b"", 9);
     m.free(4);
     assert_eq!(m.admit(5, &twice, b"", 9), Some(4));
     let t = m.table(5).unwrap();
@@ -100,7 +127,7 @@ fn free_blocks_stay_cached_until_evicted_tail_first() {
     let mut m = manager(3, None);
     let p: Vec<u32> = (0..12).collect();
     m.admit(1, &p, b"", 12).unwrap();
-    m.commit(1, &p, 12);
+    m.commit(1, &p, b"", 12);
     let table = m.table(1).unwrap().to_vec();
     m.free(1);
     assert_eq!(m.pool().num_cached_free(), 3);
@@ -119,9 +146,10 @@ fn a_fork_shares_blocks_and_copies_a_shared_block_before_writing_it() {
     let mut m = manager(6, None);
     let p: Vec<u32> = (0..6).collect();
     m.admit(1, &p, b"", 7).unwrap();
+    let mut st = m.new_storage();
     {
         // Write something into the parent's partial block 1 (positions 4, 5).
-        let mut s = m.stores(&[(1, 0, 6)]).unwrap();
+        let mut s = stores(&mut m, &mut st, &[(1, 0, 6)]);
         let rows: Vec<f32> = (0..6 * 2).map(|x| x as f32).collect();
         for l in 0..2 {
             s[0].write(l, &rows, &rows, 6);
@@ -138,7 +166,7 @@ fn a_fork_shares_blocks_and_copies_a_shared_block_before_writing_it() {
     assert_ne!(child[1], shared[1]);
     assert_eq!(m.pool().ref_count(shared[1]), 1);
     // The copy carries the parent's positions 4 and 5.
-    let stores = m.stores(&[(2, 6, 1)]).unwrap();
+    let stores = stores(&mut m, &mut st, &[(2, 6, 1)]);
     let mut seen = Vec::new();
     stores[0].for_each_run(1, 0, 6, &mut |p0, k, _| seen.push((p0, k.to_vec())));
     assert_eq!(seen[1], (4, vec![8.0, 9.0, 10.0, 11.0]));
@@ -172,7 +200,7 @@ fn blocks_are_conserved_under_a_random_workload() {
                 let len = tokens.len();
                 if m.grow(*id, len, len + 1) {
                     tokens.push(rng.below(3) as u32);
-                    m.commit(*id, tokens, tokens.len());
+                    m.commit(*id, tokens, b"", tokens.len());
                 }
             }
             2 if !live.is_empty() => {
