@@ -147,9 +147,8 @@ pub enum EngineError {
     Internal(String),
 }
 
-/// A completion engine. `submit` checks and enqueues without blocking; the
-/// work happens elsewhere (a model thread, a remote server) and arrives on
-/// the returned stream.
+/// A completion engine. The work happens elsewhere (a model thread, a
+/// remote server) and arrives on the returned stream.
 pub trait Engine: Send + Sync + fmt::Debug {
     /// The model name clients pass as `model`.
     fn model_name(&self) -> &str;
@@ -160,6 +159,13 @@ pub trait Engine: Send + Sync + fmt::Debug {
     /// Requests running and waiting now.
     fn load(&self) -> EngineLoad;
 
+    /// Check the request and hand it to the engine; its tokens arrive on
+    /// the stream. A local engine tokenizes here, on the caller's thread
+    /// (rendering the chat template and encoding: milliseconds for long
+    /// prompts, bounded by the context check on the text's bytes first),
+    /// then queues without waiting for the model: a full queue is a 429 at
+    /// once. A remote engine starts the upstream call on the tokio runtime
+    /// and returns at once; the upstream's errors arrive on the stream.
     fn submit(&self, request: EngineRequest) -> Result<EngineStream, EngineError>;
 
     /// `request.n` choices of one prompt, one stream each (in choice order).

@@ -75,11 +75,7 @@ impl InputProcessor {
                 Ok(self.prompts.encode_text(t))
             }
             PromptInput::Chat(messages) => {
-                let to_engine = |e: crate::error::ApiError| EngineError::InvalidRequest {
-                    message: e.message,
-                    param: e.param,
-                };
-                let turns = turns(messages).map_err(to_engine)?;
+                let turns = turns(messages)?;
                 // The contents' bytes bound the rendered prompt's from
                 // below (a template adds text around them; one that trimmed
                 // contents would make this bound too strict).
@@ -88,7 +84,7 @@ impl InputProcessor {
                     turns.iter().map(|(r, c)| (*r, c.as_str())).collect();
                 self.prompts
                     .encode_chat(&turns)
-                    .map_err(|e| to_engine(prompt_error(e)))
+                    .map_err(prompt_error)
             }
         }
     }

@@ -73,10 +73,9 @@ async fn serve(a: ServeArgs) -> Result<()> {
         println!("ready: forwarding to {up}");
         return Ok(server::run_until_signal(listener, state, grace).await?);
     }
-    let (spec, max_waiting) = (a.listen.model.clone(), a.max_waiting);
-    let state = server::load_in_background(&name, a.listen.max_body_bytes, move |name| {
-        let path = server::resolve_model(&spec)?;
-        Ok(Arc::new(server::load_serial(&path, name, max_waiting)?))
-    });
-    Ok(server::run_until_signal(listener, state, grace).await?)
+    let max_waiting = a.max_waiting;
+    server::serve_model(&a.listen, move |path, name| {
+        Ok(Arc::new(p06_server::SerialEngine::load(path, name, max_waiting)?))
+    })
+    .await
 }

@@ -1,16 +1,17 @@
 //! The serial engine: one OS thread owns the model and serves requests one
 //! at a time from a bounded queue (Projects 07 and 08 batch them).
 //!
-//! `submit` runs on the HTTP side: it tokenizes, checks the request against
-//! the context and queues it (or answers "queue full" at once). The model
+//! `submit` runs on the HTTP side (the shared [`EngineFront`]): it
+//! tokenizes, checks the request against the context and queues it (or
+//! answers "queue full" at once). The model
 //! thread prefills, then decodes one token per step, sending each token as
 //! it is made; before every step it checks whether the client is still
 //! there, so a disconnect ends the work within one step and drops the
 //! request's KV cache.
 
 use std::sync::atomic::Ordering;
+use std::sync::mpsc as std_mpsc;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Instant;
 
 use common::engine::{
@@ -22,9 +23,10 @@ use p04_transformer::Tokenizer;
 use p05_kv_cache::generate::{GenerateError, GenerateParams, Generator, Step};
 use tokio::sync::mpsc;
 
-use crate::error::StartError;
+use crate::front::{EngineFront, QueueLimits};
 use crate::gauges::EngineGauges;
 use crate::input::{InputProcessor, Prepared};
+use crate::load::{load_local, LoadError, StartError};
 
 /// A queued request: token ids, settings, and where its events go.
 #[derive(Debug)]
@@ -36,11 +38,7 @@ struct Job {
 
 #[derive(Debug)]
 pub struct SerialEngine {
-    name: String,
-    input: InputProcessor,
-    queue: mpsc::Sender<Job>,
-    shared: Arc<EngineGauges>,
-    worker: Option<JoinHandle<()>>,
+    front: EngineFront<Job>,
 }
 
 impl SerialEngine {
@@ -55,86 +53,64 @@ impl SerialEngine {
         M: Model + Send + Sync + 'static,
     {
         let input = InputProcessor::new(tokenizer.clone(), model.info())?;
-        let (queue, rx) = mpsc::channel(max_waiting.clamp(1, tokio::sync::Semaphore::MAX_PERMITS));
-        let shared = Arc::new(EngineGauges::default());
-        let worker = {
-            let (tok, shared) = (tokenizer.clone(), shared.clone());
-            std::thread::Builder::new()
-                .name("model".into())
-                .spawn(move || model_thread(&*model, &tok, rx, &shared))
-                .map_err(StartError::Thread)?
+        let gauges = Arc::new(EngineGauges::default());
+        let shared = gauges.clone();
+        let limits = QueueLimits {
+            max_waiting,
+            per_unit: 1,
         };
-        Ok(SerialEngine {
-            name: name.to_string(),
-            input,
-            queue,
-            shared,
-            worker: Some(worker),
-        })
+        let front = EngineFront::start(name, input, limits, gauges, move |rx| {
+            model_thread(&*model, &tokenizer, &rx, &shared)
+        })?;
+        Ok(SerialEngine { front })
+    }
+
+    /// Load a GGUF / HF Llama model and start the serial engine on it.
+    pub fn load(path: &std::path::Path, name: &str, max_waiting: usize) -> Result<SerialEngine, LoadError> {
+        let (engine, tokenizer) = load_local(path)?;
+        Ok(SerialEngine::start(
+            Arc::new(engine),
+            Arc::new(tokenizer),
+            name,
+            max_waiting,
+        )?)
     }
 }
 
 impl Engine for SerialEngine {
     fn model_name(&self) -> &str {
-        &self.name
+        self.front.model_name()
     }
 
     fn context_length(&self) -> Option<usize> {
-        Some(self.input.context())
+        self.front.context_length()
     }
 
     fn load(&self) -> EngineLoad {
-        self.shared.load()
+        self.front.load()
     }
 
     fn submit(&self, request: EngineRequest) -> Result<EngineStream, EngineError> {
-        self.shared.check_open()?;
-        let Prepared { prompt, params } = self.input.prepare(request)?;
-        let (events, rx) = mpsc::unbounded_channel();
-        let job = Job {
-            prompt,
-            params,
-            events,
-        };
-        self.shared.waiting.fetch_add(1, Ordering::SeqCst);
-        if let Err(e) = self.queue.try_send(job) {
-            let waiting = self.shared.waiting.fetch_sub(1, Ordering::SeqCst) - 1;
-            return Err(match e {
-                mpsc::error::TrySendError::Full(_) => {
-                    self.shared.queue_full(waiting, (waiting + 1) as f64)
-                }
-                mpsc::error::TrySendError::Closed(_) => {
-                    EngineError::Unavailable("the model thread has stopped".into())
-                }
-            });
-        }
-        Ok(rx)
+        self.front
+            .submit_one(request, |Prepared { prompt, params }, mut events| Job {
+                prompt,
+                params,
+                events: events.remove(0),
+            })
     }
 
     fn abort_all(&self) {
-        self.shared.closing.store(true, Ordering::SeqCst);
-    }
-}
-
-impl Drop for SerialEngine {
-    fn drop(&mut self) {
-        self.shared.closing.store(true, Ordering::SeqCst);
-        // Closing the queue ends the model thread after its current step.
-        let (dead, _) = mpsc::channel(1);
-        drop(std::mem::replace(&mut self.queue, dead));
-        if let Some(w) = self.worker.take() {
-            let _ = w.join();
-        }
+        self.front.abort_all();
     }
 }
 
 fn model_thread<M: Model>(
     model: &M,
     tok: &Tokenizer,
-    mut queue: mpsc::Receiver<Job>,
+    queue: &std_mpsc::Receiver<Job>,
     shared: &EngineGauges,
 ) {
-    while let Some(job) = queue.blocking_recv() {
+    while let Ok(job) = queue.recv() {
         shared.running.fetch_add(1, Ordering::SeqCst);
         shared.waiting.fetch_sub(1, Ordering::SeqCst);
         let t0 = Instant::now();

@@ -4,7 +4,6 @@
 //! cancel what is left and exit.
 
 use std::future::Future;
-use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -12,9 +11,8 @@ use std::time::Duration;
 use common::engine::{Engine, EngineError, EngineLoad, EngineRequest, EngineStream};
 use tokio::net::TcpListener;
 
-use crate::error::{LoadError, ResolveError};
+pub use crate::load::{resolve_model, served_name};
 use crate::routes::{router, AppState};
-use crate::serial::SerialEngine;
 
 /// The options every serving binary shares (p06's, p07's, ...): what to
 /// serve, where, and how to stop. Each binary flattens it into its own.
@@ -65,47 +63,6 @@ impl ListenArgs {
     pub fn grace(&self) -> Duration {
         Duration::from_secs(self.shutdown_grace_s)
     }
-}
-
-/// The name clients use for `--model`: SmolLM2's for `smollm2`, else the file stem.
-pub fn served_name(spec: &str) -> String {
-    if spec.eq_ignore_ascii_case("smollm2") {
-        return "SmolLM2-135M-Instruct".to_string();
-    }
-    Path::new(spec)
-        .file_stem()
-        .map_or_else(|| spec.to_string(), |s| s.to_string_lossy().into_owned())
-}
-
-/// `--model`: `smollm2` (fetched on first use) or a path.
-pub fn resolve_model(spec: &str) -> Result<PathBuf, ResolveError> {
-    if spec.eq_ignore_ascii_case("smollm2") {
-        return Ok(common::assets::ensure(common::assets::Asset::SmolLm2)?);
-    }
-    let path = PathBuf::from(spec);
-    if !path.exists() {
-        return Err(ResolveError::NotFound {
-            spec: spec.to_string(),
-        });
-    }
-    Ok(path)
-}
-
-/// Load a GGUF / HF Llama model and start the serial engine on it.
-pub fn load_serial(path: &Path, name: &str, max_waiting: usize) -> Result<SerialEngine, LoadError> {
-    let loaded = p05_kv_cache::load::load(path).map_err(|source| LoadError::Model {
-        path: path.to_path_buf(),
-        source: Box::new(source),
-    })?;
-    let tokenizer = loaded.tokenizer.ok_or_else(|| LoadError::NoTokenizer {
-        path: path.to_path_buf(),
-    })?;
-    Ok(SerialEngine::start(
-        Arc::new(loaded.engine),
-        Arc::new(tokenizer),
-        name,
-        max_waiting,
-    )?)
 }
 
 /// An engine that is still loading: `/health` and requests answer 503 until
@@ -237,6 +194,24 @@ pub async fn run_until_signal(
     serve(listener, state, shutdown, grace).await?;
     println!("stopped");
     Ok(())
+}
+
+/// Serve `listen`'s model until SIGINT/SIGTERM: bind, start the engine in
+/// the background with `start` (given the model's path and the served
+/// name; `/health` answers 503 until it returns), drain on a signal.
+/// Every serving binary runs this with its own engine.
+pub async fn serve_model<F>(listen: &ListenArgs, start: F) -> anyhow::Result<()>
+where
+    F: FnOnce(&std::path::Path, &str) -> anyhow::Result<Arc<dyn Engine>> + Send + 'static,
+{
+    let name = listen.name();
+    let listener = listen.bind().await?;
+    let spec = listen.model.clone();
+    let state = load_in_background(&name, listen.max_body_bytes, move |name| {
+        let path = resolve_model(&spec)?;
+        start(&path, name)
+    });
+    Ok(run_until_signal(listener, state, listen.grace()).await?)
 }
 
 /// Serve at once and load in the background: `/health` and requests answer

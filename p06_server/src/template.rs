@@ -7,10 +7,10 @@
 use common::openai::{ChatMessage, Content};
 use p04_transformer::PromptError;
 
-use crate::error::ApiError;
+use common::engine::EngineError;
 
 /// (role, text) of each message, in order.
-pub fn turns(messages: &[ChatMessage]) -> Result<Vec<(&str, String)>, ApiError> {
+pub fn turns(messages: &[ChatMessage]) -> Result<Vec<(&str, String)>, EngineError> {
     let mut out = Vec::with_capacity(messages.len());
     for (i, m) in messages.iter().enumerate() {
         let content = match &m.content {
@@ -22,13 +22,13 @@ pub fn turns(messages: &[ChatMessage]) -> Result<Vec<(&str, String)>, ApiError> 
                     match (p.kind.as_str(), &p.text) {
                         ("text", Some(t)) => text.push_str(t),
                         _ => {
-                            return Err(ApiError::invalid(
-                                &format!("messages[{i}].content[{j}]"),
-                                format!(
+                            return Err(EngineError::InvalidRequest {
+                                param: Some(format!("messages[{i}].content[{j}]")),
+                                message: format!(
                                     "content part of type `{}` is not supported (text only)",
                                     p.kind
                                 ),
-                            ))
+                            })
                         }
                     }
                 }
@@ -40,11 +40,12 @@ pub fn turns(messages: &[ChatMessage]) -> Result<Vec<(&str, String)>, ApiError> 
     Ok(out)
 }
 
-/// A prompt error as an OpenAI error body (400, naming the field).
-pub fn prompt_error(e: PromptError) -> ApiError {
-    match e.param() {
-        Some(param) => ApiError::invalid(&param, e.to_string()),
-        None => ApiError::bad_body(e.to_string()),
+/// A prompt error as the request's fault (a 400, naming the field when
+/// there is one).
+pub fn prompt_error(e: PromptError) -> EngineError {
+    EngineError::InvalidRequest {
+        message: e.to_string(),
+        param: e.param(),
     }
 }
 
@@ -75,6 +76,9 @@ mod tests {
             ])),
         };
         let e = turns(&[image]).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("messages[0].content[1]"));
+        assert!(
+            matches!(&e, EngineError::InvalidRequest { param: Some(p), .. } if p == "messages[0].content[1]"),
+            "{e:?}"
+        );
     }
 }

@@ -17,9 +17,8 @@
 //! [`Sequence::on_logits`] for each member's row.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{self as std_mpsc, RecvTimeoutError, TrySendError};
+use std::sync::mpsc::{self as std_mpsc, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use common::batch::{Batch, BatchModel, KvStore};
@@ -29,6 +28,7 @@ use common::engine::{
 use p04_transformer::Tokenizer;
 use p05_kv_cache::generate::{GenerateParams, Sequence, Step};
 use p05_kv_cache::kv_cache::KvCache;
+use p06_server::front::{EngineFront, QueueLimits};
 use p06_server::gauges::EngineGauges;
 use p06_server::input::{InputProcessor, Prepared};
 use p06_server::serial::{engine_error, token_out};
@@ -74,7 +74,7 @@ struct Job {
 #[derive(Debug, Default)]
 struct Shared {
     /// Waiting, running, K/V bytes, closing; service time per batch.
-    gauges: EngineGauges,
+    gauges: Arc<EngineGauges>,
     /// A batch is running (cleared before its last member's final event, so
     /// a client that answers it at once finds the engine idle).
     busy: AtomicBool,
@@ -83,13 +83,8 @@ struct Shared {
 
 #[derive(Debug)]
 pub struct BatchingEngine {
-    name: String,
-    labels: String,
-    input: InputProcessor,
-    config: BatchConfig,
-    queue: Option<std_mpsc::SyncSender<Job>>,
+    front: EngineFront<Job>,
     shared: Arc<Shared>,
-    worker: Option<JoinHandle<()>>,
 }
 
 impl BatchingEngine {
@@ -109,25 +104,16 @@ impl BatchingEngine {
             ..config
         };
         let input = InputProcessor::new(tokenizer.clone(), model.info())?;
-        let (queue, rx) = std_mpsc::sync_channel(config.max_waiting);
         let shared = Arc::new(Shared::default());
-        let worker = {
-            let shared = shared.clone();
-            std::thread::Builder::new()
-                .name("model".into())
-                .spawn(move || model_thread(&*model, &tokenizer, &rx, &shared, config))
-                .map_err(StartError::Thread)?
+        let limits = QueueLimits {
+            max_waiting: config.max_waiting,
+            per_unit: config.max_batch,
         };
-        let escaped = name.replace('\\', "\\\\").replace('"', "\\\"");
-        Ok(BatchingEngine {
-            name: name.to_string(),
-            labels: format!("model_name=\"{escaped}\""),
-            input,
-            config,
-            queue: Some(queue),
-            shared,
-            worker: Some(worker),
-        })
+        let thread_shared = shared.clone();
+        let front = EngineFront::start(name, input, limits, shared.gauges.clone(), move |rx| {
+            model_thread(&*model, &tokenizer, &rx, &thread_shared, config)
+        })?;
+        Ok(BatchingEngine { front, shared })
     }
 
     /// The batcher's statistics so far.
@@ -142,66 +128,35 @@ impl BatchingEngine {
 
 impl Engine for BatchingEngine {
     fn model_name(&self) -> &str {
-        &self.name
+        self.front.model_name()
     }
 
     fn context_length(&self) -> Option<usize> {
-        Some(self.input.context())
+        self.front.context_length()
     }
 
     fn load(&self) -> EngineLoad {
-        self.shared.gauges.load()
+        self.front.load()
     }
 
     fn submit(&self, request: EngineRequest) -> Result<EngineStream, EngineError> {
-        self.shared.gauges.check_open()?;
-        let Some(queue) = &self.queue else {
-            return Err(EngineError::Unavailable(
-                "the server is shutting down".into(),
-            ));
-        };
-        let Prepared { prompt, params } = self.input.prepare(request)?;
-        let (events, rx) = mpsc::unbounded_channel();
-        let job = Job {
-            prompt,
-            params,
-            events,
-            arrival: Instant::now(),
-            behind_batch: self.shared.busy.load(Ordering::SeqCst),
-        };
-        self.shared.gauges.waiting.fetch_add(1, Ordering::SeqCst);
-        if let Err(e) = queue.try_send(job) {
-            let waiting = self.shared.gauges.waiting.fetch_sub(1, Ordering::SeqCst) - 1;
-            return Err(match e {
-                TrySendError::Full(_) => {
-                    let batches = (waiting / self.config.max_batch + 1) as f64;
-                    self.shared.gauges.queue_full(waiting, batches)
-                }
-                TrySendError::Disconnected(_) => {
-                    EngineError::Unavailable("the model thread has stopped".into())
-                }
-            });
-        }
-        Ok(rx)
+        let behind_batch = self.shared.busy.load(Ordering::SeqCst);
+        self.front
+            .submit_one(request, |Prepared { prompt, params }, mut events| Job {
+                prompt,
+                params,
+                events: events.remove(0),
+                arrival: Instant::now(),
+                behind_batch,
+            })
     }
 
     fn abort_all(&self) {
-        self.shared.gauges.closing.store(true, Ordering::SeqCst);
+        self.front.abort_all();
     }
 
     fn extra_metrics(&self, out: &mut String) {
-        self.stats().render(out, &self.labels);
-    }
-}
-
-impl Drop for BatchingEngine {
-    fn drop(&mut self) {
-        self.shared.gauges.closing.store(true, Ordering::SeqCst);
-        // Closing the queue ends the model thread after its current batch.
-        drop(self.queue.take());
-        if let Some(w) = self.worker.take() {
-            let _ = w.join();
-        }
+        self.stats().render(out, self.front.labels());
     }
 }
 

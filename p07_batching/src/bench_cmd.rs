@@ -35,7 +35,7 @@ pub struct StepArgs {
 /// SmolLM2 (`smollm2`) or a model path, with its tokenizer: what the bench
 /// commands of p07 and later load.
 pub fn load_model(spec: &str) -> Result<(LlamaEngine, p04_transformer::Tokenizer)> {
-    let path = p06_server::server::resolve_model(spec).map_err(anyhow::Error::msg)?;
+    let path = p06_server::load::resolve_model(spec).map_err(anyhow::Error::msg)?;
     let loaded = p05_kv_cache::load::load(&path).with_context(|| path.display().to_string())?;
     let tok = loaded.tokenizer.context("the model has no tokenizer")?;
     Ok((loaded.engine, tok))
@@ -219,7 +219,7 @@ pub async fn serve(a: &ServeBenchArgs) -> Result<()> {
     let e = Engines {
         model: Arc::new(engine),
         tok: Arc::new(tok),
-        name: p06_server::server::served_name(&a.model),
+        name: p06_server::load::served_name(&a.model),
     };
     let name = e.name.clone();
     let mut rows = Vec::new();

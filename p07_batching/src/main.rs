@@ -11,7 +11,6 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use p06_server::server;
-use p06_server::LoadError;
 #[cfg(feature = "bench")]
 use p07_batching::bench_cmd;
 use p07_batching::{BatchConfig, BatchingEngine};
@@ -70,26 +69,15 @@ fn main() -> Result<()> {
 }
 
 async fn serve(a: ServeArgs) -> Result<()> {
-    let name = a.listen.name();
-    let listener = a.listen.bind().await?;
     let config = BatchConfig {
         max_batch: a.max_batch,
         max_wait: Duration::from_millis(a.max_wait_ms),
         max_waiting: a.max_waiting,
     };
-    let spec = a.listen.model.clone();
-    let state = server::load_in_background(&name, a.listen.max_body_bytes, move |name| {
-        let path = server::resolve_model(&spec)?;
-        let loaded = p05_kv_cache::load::load(&path).map_err(|source| LoadError::Model {
-            path: path.clone(),
-            source: Box::new(source),
-        })?;
-        let tokenizer = loaded
-            .tokenizer
-            .ok_or_else(|| LoadError::NoTokenizer { path: path.clone() })?;
-        let engine =
-            BatchingEngine::start(Arc::new(loaded.engine), Arc::new(tokenizer), name, config)?;
+    server::serve_model(&a.listen, move |path, name| {
+        let (engine, tokenizer) = p06_server::load::load_local(path)?;
+        let engine = BatchingEngine::start(Arc::new(engine), Arc::new(tokenizer), name, config)?;
         Ok(Arc::new(engine))
-    });
-    Ok(server::run_until_signal(listener, state, a.listen.grace()).await?)
+    })
+    .await
 }

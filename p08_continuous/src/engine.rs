@@ -16,7 +16,6 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::Instant;
 
 use common::batch::BatchModel;
@@ -25,6 +24,7 @@ use common::engine::{
 };
 use p04_transformer::Tokenizer;
 use p05_kv_cache::generate::GenerateParams;
+use p06_server::front::{EngineFront, QueueLimits};
 use p06_server::gauges::EngineGauges;
 use p06_server::input::{InputProcessor, Prepared};
 use p06_server::serial::{engine_error, token_out};
@@ -51,19 +51,14 @@ struct Job {
 /// Counters shared by the HTTP side and the model thread.
 #[derive(Debug, Default)]
 struct Shared {
-    gauges: EngineGauges,
+    gauges: Arc<EngineGauges>,
     stats: Mutex<StepStats>,
 }
 
 #[derive(Debug)]
 pub struct ContinuousEngine {
-    name: String,
-    labels: String,
-    input: InputProcessor,
-    config: ContinuousConfig,
-    queue: Option<std_mpsc::Sender<Job>>,
+    front: EngineFront<Job>,
     shared: Arc<Shared>,
-    worker: Option<JoinHandle<()>>,
 }
 
 impl ContinuousEngine {
@@ -94,39 +89,26 @@ impl ContinuousEngine {
         M: BatchModel + 'static,
         B: KvBackend + Send + 'static,
     {
-        let config = ContinuousConfig {
-            max_waiting: config.max_waiting.max(1),
-            ..config
-        };
         // Fail here, not on the thread, when the knobs are inconsistent.
         Scheduler::<()>::check(&config.scheduler_config())
             .map_err(|e| StartError::Config(Box::new(e)))?;
-        let capacity = kv.capacity_bytes();
         let input = InputProcessor::new(tokenizer.clone(), model.info())?;
-        let (queue, rx) = std_mpsc::channel();
         let shared = Arc::new(Shared::default());
         shared
             .stats
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .kv_capacity_bytes = capacity;
-        let worker = {
-            let shared = shared.clone();
-            std::thread::Builder::new()
-                .name("model".into())
-                .spawn(move || model_thread(&*model, &tokenizer, kv, &rx, &shared, &config))
-                .map_err(StartError::Thread)?
+            .kv_capacity_bytes = kv.capacity_bytes();
+        // Each running slot frees in about one request's service time.
+        let limits = QueueLimits {
+            max_waiting: config.max_waiting,
+            per_unit: config.max_num_seqs,
         };
-        let escaped = name.replace('\\', "\\\\").replace('"', "\\\"");
-        Ok(ContinuousEngine {
-            name: name.to_string(),
-            labels: format!("model_name=\"{escaped}\""),
-            input,
-            config,
-            queue: Some(queue),
-            shared,
-            worker: Some(worker),
-        })
+        let thread_shared = shared.clone();
+        let front = EngineFront::start(name, input, limits, shared.gauges.clone(), move |rx| {
+            model_thread(&*model, &tokenizer, kv, &rx, &thread_shared, &config)
+        })?;
+        Ok(ContinuousEngine { front, shared })
     }
 
     /// The scheduler's statistics so far.
@@ -141,15 +123,15 @@ impl ContinuousEngine {
 
 impl Engine for ContinuousEngine {
     fn model_name(&self) -> &str {
-        &self.name
+        self.front.model_name()
     }
 
     fn context_length(&self) -> Option<usize> {
-        Some(self.input.context())
+        self.front.context_length()
     }
 
     fn load(&self) -> EngineLoad {
-        self.shared.gauges.load()
+        self.front.load()
     }
 
     /// One choice (`request.n` is read by `submit_choices`).
@@ -162,58 +144,26 @@ impl Engine for ContinuousEngine {
     }
 
     /// `n` choices share the prompt's computation and K/V (see
-    /// [`EngineCore::add_choices`]); each counts as a request in the gauges.
+    /// [`crate::core::NewRequest`]); each counts as a request in the gauges.
     fn submit_choices(&self, request: EngineRequest) -> Result<Vec<EngineStream>, EngineError> {
-        self.shared.gauges.check_open()?;
-        let Some(queue) = &self.queue else {
-            return Err(EngineError::Unavailable(
-                "the server is shutting down".into(),
-            ));
-        };
         let n = request.n.max(1);
         let salt = request.cache_salt.clone().unwrap_or_default().into_bytes();
-        let Prepared { prompt, params } = self.input.prepare(request)?;
-        let gauges = &self.shared.gauges;
-        let waiting = gauges.waiting.fetch_add(n, Ordering::SeqCst);
-        if waiting + n > self.config.max_waiting {
-            gauges.waiting.fetch_sub(n, Ordering::SeqCst);
-            // Each running slot frees in about one request's service time.
-            let ahead = waiting as f64 / self.config.max_num_seqs.max(1) as f64;
-            return Err(gauges.queue_full(waiting, ahead.max(1.0)));
-        }
-        let (events, streams) = (0..n).map(|_| mpsc::unbounded_channel()).unzip();
-        let job = Job {
-            prompt,
-            params,
-            events,
-            salt,
-            arrival: Instant::now(),
-        };
-        if queue.send(job).is_err() {
-            gauges.waiting.fetch_sub(n, Ordering::SeqCst);
-            return Err(EngineError::Unavailable(
-                "the model thread has stopped".into(),
-            ));
-        }
-        Ok(streams)
+        self.front
+            .submit(request, n, |Prepared { prompt, params }, events| Job {
+                prompt,
+                params,
+                events,
+                salt,
+                arrival: Instant::now(),
+            })
     }
 
     fn abort_all(&self) {
-        self.shared.gauges.closing.store(true, Ordering::SeqCst);
+        self.front.abort_all();
     }
 
     fn extra_metrics(&self, out: &mut String) {
-        self.stats().render(out, &self.labels);
-    }
-}
-
-impl Drop for ContinuousEngine {
-    fn drop(&mut self) {
-        self.shared.gauges.closing.store(true, Ordering::SeqCst);
-        drop(self.queue.take());
-        if let Some(w) = self.worker.take() {
-            let _ = w.join();
-        }
+        self.stats().render(out, self.front.labels());
     }
 }
 

@@ -11,7 +11,6 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use p06_server::server;
-use p06_server::LoadError;
 #[cfg(feature = "bench")]
 use p08_continuous::bench_cmd;
 use p08_continuous::cli::SchedArgs;
@@ -66,22 +65,12 @@ fn main() -> Result<()> {
 }
 
 async fn serve(a: ServeArgs) -> Result<()> {
-    let name = a.listen.name();
-    let listener = a.listen.bind().await?;
     let config = a.sched.config();
-    let spec = a.listen.model.clone();
-    let state = server::load_in_background(&name, a.listen.max_body_bytes, move |name| {
-        let path = server::resolve_model(&spec)?;
-        let loaded = p05_kv_cache::load::load(&path).map_err(|source| LoadError::Model {
-            path: path.clone(),
-            source: Box::new(source),
-        })?;
-        let tokenizer = loaded
-            .tokenizer
-            .ok_or_else(|| LoadError::NoTokenizer { path: path.clone() })?;
+    server::serve_model(&a.listen, move |path, name| {
+        let (engine, tokenizer) = p06_server::load::load_local(path)?;
         let engine =
-            ContinuousEngine::start(Arc::new(loaded.engine), Arc::new(tokenizer), name, config)?;
+            ContinuousEngine::start(Arc::new(engine), Arc::new(tokenizer), name, config)?;
         Ok(Arc::new(engine))
-    });
-    Ok(server::run_until_signal(listener, state, a.listen.grace()).await?)
+    })
+    .await
 }

@@ -15,6 +15,7 @@ pub mod block_storage;
 pub mod manager;
 pub mod paged_store;
 pub mod prefix_hash;
+#[cfg(feature = "http")]
 pub mod serve;
 
 pub use backend::PagedKv;

@@ -40,31 +40,24 @@ pub async fn serve<L>(cli: ServeArgs, load: L) -> anyhow::Result<()>
 where
     L: FnOnce(&Path) -> anyhow::Result<LoadedEngine> + Send + 'static,
 {
-    let name = cli.listen.name();
-    let listener = cli.listen.bind().await?;
     let config = cli.sched.config();
     let paged = cli.paged.clone();
-    let spec = cli.listen.model.clone();
-    let state = server::load_in_background(&name, cli.listen.max_body_bytes, move |name| {
-        let path = server::resolve_model(&spec)?;
-        let loaded = load(&path)?;
-        let tokenizer = loaded
-            .tokenizer
-            .ok_or_else(|| p06_server::LoadError::NoTokenizer { path: path.clone() })?;
+    server::serve_model(&cli.listen, move |path, name| {
+        let (engine, tokenizer) = p06_server::load::with_tokenizer(path, load(path)?)?;
         let kv = PagedKv::new(
-            loaded.engine.kv_shape(),
+            engine.kv_shape(),
             paged.block_size,
             config.kv_cache_bytes,
             !paged.no_prefix_caching,
         )?;
         let engine = ContinuousEngine::start_with_backend(
-            Arc::new(loaded.engine),
+            Arc::new(engine),
             Arc::new(tokenizer),
             name,
             config,
             kv,
         )?;
         Ok(Arc::new(engine))
-    });
-    Ok(server::run_until_signal(listener, state, cli.listen.grace()).await?)
+    })
+    .await
 }

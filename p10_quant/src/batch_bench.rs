@@ -78,7 +78,7 @@ struct Step {
 }
 
 pub fn run(a: &BatchArgs) -> Result<()> {
-    let path = p06_server::server::resolve_model(&a.model)?;
+    let path = p06_server::load::resolve_model(&a.model)?;
     let isa = NativeWeights::detect().dot.isa();
     let mut rows = Vec::new();
     let wants = |p: &str| a.parts.iter().any(|x| x == p);

@@ -175,7 +175,7 @@ fn child_rss(model: &str, weights: &str) -> Result<f64> {
 }
 
 pub fn run(a: &BenchArgs) -> Result<()> {
-    let path = p06_server::server::resolve_model(&a.model).map_err(anyhow::Error::msg)?;
+    let path = p06_server::load::resolve_model(&a.model).map_err(anyhow::Error::msg)?;
     let isa = Dot::detect().isa();
     let f32m = load(&path, false)?;
     let nat = load(&path, true)?;

@@ -117,7 +117,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         Some(Cmd::Rss(a)) => {
-            let path = p06_server::server::resolve_model(&a.model)?;
+            let path = p06_server::load::resolve_model(&a.model)?;
             let loaded = p10_quant::loader::load(&path, a.weights == Weights::Native)?;
             println!("{}", p10_quant::loader::rss_bytes());
             drop(loaded);

@@ -78,7 +78,7 @@ struct Line {
 }
 
 pub fn run(a: &PerplexityArgs) -> Result<()> {
-    let path = p06_server::server::resolve_model(&a.model).map_err(anyhow::Error::msg)?;
+    let path = p06_server::load::resolve_model(&a.model).map_err(anyhow::Error::msg)?;
     let text_path = a.text.clone().unwrap_or_else(default_text);
     let text = std::fs::read_to_string(&text_path).with_context(|| {
         format!(

@@ -183,7 +183,7 @@ impl Counter {
     /// The tokenizer of a GGUF file (a path, or a name p06 resolves), and
     /// its context length unless `context` is given.
     pub fn from_gguf(spec: &str, context: Option<usize>, name: &str) -> anyhow::Result<Counter> {
-        let path = p06_server::server::resolve_model(spec)?;
+        let path = p06_server::load::resolve_model(spec)?;
         let f = GgufFile::open(Path::new(&path))?;
         let tok = Tokenizer::from_gguf(&f.header)?;
         let ctx = match context {
