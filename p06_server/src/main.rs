@@ -63,15 +63,12 @@ fn main() -> Result<()> {
 }
 
 async fn serve(a: ServeArgs) -> Result<()> {
-    let name = a.listen.name();
-    let listener = a.listen.bind().await?;
-    let grace = a.listen.grace();
-
     if let Some(up) = &a.upstream {
-        let engine = Arc::new(common::client::RemoteEngine::new(up, &name));
+        let listener = a.listen.bind().await?;
+        let engine = Arc::new(common::client::RemoteEngine::new(up, &a.listen.name()));
         let state = AppState::new(engine, a.listen.max_body_bytes);
         println!("ready: forwarding to {up}");
-        return Ok(server::run_until_signal(listener, state, grace).await?);
+        return Ok(server::run_until_signal(listener, state, a.listen.grace()).await?);
     }
     let max_waiting = a.max_waiting;
     server::serve_model(&a.listen, move |path, name| {

@@ -26,6 +26,8 @@ mod avx512_tile;
 #[cfg(feature = "bench")]
 pub mod batch_bench;
 #[cfg(feature = "bench")]
+pub mod seam_bench;
+#[cfg(feature = "bench")]
 pub mod bench;
 pub mod dot;
 pub mod formats;

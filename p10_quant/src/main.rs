@@ -35,6 +35,9 @@ enum Cmd {
     /// Batched decode at 1..64 sequences (native invariant, native batch-variant, f32, llama-batched-bench), the kernel against the integer peak, closed-loop serving at 1..32 streams beside llama-server.
     BenchBatch(p10_quant::batch_bench::BatchArgs),
     #[cfg(feature = "bench")]
+    /// The model-runner seam's cost per step, and this server against another commit's (--base-bin) through HTTP: decode at 1 and 16 streams, prefill, closed-loop output.
+    BenchSeam(p10_quant::seam_bench::SeamArgs),
+    #[cfg(feature = "bench")]
     /// Perplexity, KL divergence and top-1 agreement over a text: 8-bit activations and weight formats against f32, beside llama.cpp.
     Perplexity(p10_quant::study::PerplexityArgs),
     #[cfg(feature = "bench")]
@@ -104,6 +107,8 @@ fn main() -> Result<()> {
         Some(Cmd::Bench(a)) => p10_quant::bench::run(&a),
         #[cfg(feature = "bench")]
         Some(Cmd::BenchBatch(a)) => p10_quant::batch_bench::run(&a),
+        #[cfg(feature = "bench")]
+        Some(Cmd::BenchSeam(a)) => p10_quant::seam_bench::run(&a),
         #[cfg(feature = "bench")]
         Some(Cmd::Perplexity(a)) => p10_quant::study::run(&a),
         #[cfg(feature = "bench")]

@@ -146,10 +146,13 @@ fn sigterm_aborts_what_outlives_the_grace_period_and_exits_zero() {
     rt.block_on(async {
         let t0 = Instant::now();
         loop {
-            let ok = reqwest::get(format!("{url}/health"))
+            // Each probe has its own deadline: a socket that accepts and
+            // never answers fails the test, not hangs it.
+            let probe = reqwest::get(format!("{url}/health"));
+            let ok = tokio::time::timeout(Duration::from_secs(5), probe)
                 .await
-                .map(|r| r.status().as_u16());
-            if matches!(ok, Ok(200)) {
+                .map(|r| r.map(|r| r.status().as_u16()));
+            if matches!(ok, Ok(Ok(200))) {
                 break;
             }
             assert!(

@@ -1,0 +1,261 @@
+//! `p10_quant bench-seam`: what the model-runner seam costs, in one run.
+//!
+//! 1. In this process, native weights on paged K/V through the engine
+//!    core: per decode step at batch 1 and 16, the plan's building
+//!    (`StepTiming::plan_s`) plus its binary encoding and decoding (what a
+//!    remote runner would add), beside the whole step.
+//! 2. Through HTTP, this binary's server against another commit's
+//!    (`--base-bin`), each a child process on the same flags, in turns
+//!    (order alternating by round): decode tok/s at batch 1 (1 / ITL p50,
+//!    concurrency 1) and at 16 (16 / ITL p50, concurrency 16), prefill
+//!    tok/s of 256-token prompts (256 / TTFT p50, one output token), and
+//!    closed-loop output tok/s at concurrency 16. Each metric's ratio
+//!    (this / base) per round; the median and the spread over rounds.
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use common::batch::BatchModel;
+use common::loadgen::{Arrival, Report};
+use common::numbers::{command_line, Recorder, Row};
+use common::stats::summarize;
+use p05_kv_cache::generate::GenerateParams;
+use p08_continuous::runner::StepPlan;
+use p08_continuous::serve_bench::System;
+use p08_continuous::{ContinuousConfig, EngineCore};
+use p09_kv_manager::PagedKv;
+
+use crate::loader::load_native;
+use crate::NativeWeights;
+
+#[derive(Clone, Debug, Args)]
+pub struct SeamArgs {
+    #[arg(long, default_value = "smollm2")]
+    pub model: String,
+    /// The `p10_quant` binary of the commit to compare with (built from a
+    /// clean checkout of it).
+    #[arg(long)]
+    pub base_bin: Option<PathBuf>,
+    /// Rounds of the HTTP comparison (each runs both servers).
+    #[arg(long, default_value_t = 5)]
+    pub rounds: usize,
+    /// Timed decode steps per batch size in part 1.
+    #[arg(long, default_value_t = 64)]
+    pub steps: usize,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    #[arg(long)]
+    pub no_record: bool,
+}
+
+pub fn run(a: &SeamArgs) -> Result<()> {
+    let mut rows = Vec::new();
+    in_process(a, &mut rows)?;
+    if let Some(base) = &a.base_bin {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .context("starting the tokio runtime")?;
+        rt.block_on(through_http(a, base, &mut rows))?;
+    } else {
+        println!("(no --base-bin: part 2, the A/B through HTTP, skipped)");
+    }
+    if !a.no_record {
+        Recorder::for_workspace(command_line("p10_quant")).append(&rows)?;
+    }
+    Ok(())
+}
+
+/// Part 1: the seam's cost per step, against the step.
+fn in_process(a: &SeamArgs, rows: &mut Vec<Row>) -> Result<()> {
+    let path = p06_server::load::resolve_model(&a.model)?;
+    let loaded = load_native(&path, NativeWeights::detect())?;
+    let tok = loaded.tokenizer.context("the model has no tokenizer")?;
+    let engine = loaded.engine;
+    println!("1. the seam per decode step (native, paged, through the engine core):");
+    for batch in [1usize, 16] {
+        let config = ContinuousConfig {
+            step_cost: None,
+            ..ContinuousConfig::default()
+        };
+        let kv = PagedKv::new(engine.kv_shape(), 16, 1 << 30, true)?;
+        let mut core = EngineCore::with_backend(&engine, &tok, &config, kv)?;
+        let mut p = GenerateParams::greedy(a.steps + 16);
+        p.ignore_eos = true;
+        for i in 0..batch {
+            let prompt = tok.encode(&format!(
+                "Story {i}: once upon a time, in a village at the edge of a great forest,"
+            ));
+            core.add(i as u64, &prompt, &p)?;
+        }
+        // Prefill every prompt; time decode steps only.
+        for _ in 0..64 {
+            let out = core.step();
+            let decoding = out.schedule.seqs.iter().filter(|s| s.decode).count();
+            if decoding == batch {
+                break;
+            }
+        }
+        let (mut seam, mut step) = (Vec::new(), Vec::new());
+        let mut buf = Vec::new();
+        for _ in 0..a.steps {
+            let t0 = Instant::now();
+            let out = core.step();
+            let step_s = t0.elapsed().as_secs_f64();
+            anyhow::ensure!(out.failed.is_empty(), "a step failed: {:?}", out.failed);
+            let t1 = Instant::now();
+            buf.clear();
+            core.last_plan().encode_into(&mut buf)?;
+            let back = StepPlan::decode(&buf)?;
+            std::hint::black_box(&back);
+            let codec_s = t1.elapsed().as_secs_f64();
+            seam.push((out.timing.plan_s + codec_s) * 1e6);
+            step.push((step_s + codec_s) * 1e3);
+        }
+        let (s, t) = (summarize(&seam), summarize(&step));
+        let share = 100.0 * s.median / 1e3 / t.median;
+        println!(
+            "  batch {batch:>2}: plan + encode + decode {:.1} us median ({:.1} p95), {} bytes; step {:.2} ms median; seam {share:.3}% of the step",
+            s.median,
+            s.p95,
+            buf.len(),
+            t.median
+        );
+        rows.extend(Row::median_p95(
+            format!("p10 seam per decode step, batch {batch}: plan build + encode + decode ({} samples)", seam.len()),
+            s.median,
+            s.p95,
+            "us",
+            "a few us: one small Vec per sequence, ~100 B encoded",
+        ));
+        rows.extend(Row::median_p95(
+            format!("p10 decode step through the engine core, batch {batch}, native ({} samples)", step.len()),
+            t.median,
+            t.p95,
+            "ms",
+            "",
+        ));
+        rows.push(
+            Row::new(
+                format!("p10 seam share of a batch-{batch} decode step (median seam / median step)"),
+                share,
+                "%",
+            )
+            .predicted("<= 1% (target); ~0.05%"),
+        );
+    }
+    Ok(())
+}
+
+/// One server's figures for one round.
+#[derive(Clone, Copy, Debug)]
+struct Figures {
+    decode1: f64,
+    decode16: f64,
+    prefill256: f64,
+    out16: f64,
+}
+
+const NAME: &str = "SmolLM2-135M-Instruct";
+
+/// Start `bin serve` on `port` and wait for it.
+async fn start(bin: &std::path::Path, model: &str, port: u16, log: &str) -> Result<System> {
+    let path = common::assets::workspace_root().join(format!("target/{log}.log"));
+    let file = std::fs::File::create(&path).with_context(|| path.display().to_string())?;
+    let child = Command::new(bin)
+        .args(["serve", "--model", model, "--port", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(file))
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))?;
+    let sys = System {
+        url: format!("http://127.0.0.1:{port}"),
+        peer: Some(child),
+    };
+    sys.healthy(&format!("{} serve", bin.display())).await?;
+    Ok(sys)
+}
+
+async fn measure(sys: &System, tok: &p04_transformer::Tokenizer, seed: u64) -> Result<Figures> {
+    use p07_batching::serve_bench::{load, requests};
+    let closed = |c| Arrival::Closed { concurrency: c };
+    let ok = |r: &Report, what: &str| -> Result<()> {
+        anyhow::ensure!(r.failed == 0, "{what}: {} requests failed: {:?}", r.failed, r.errors);
+        Ok(())
+    };
+    let warm = requests(tok, 32, &[8; 4], seed + 100)?;
+    load(&sys.url, NAME, closed(2), &[], &warm).await?;
+    let one = requests(tok, 64, &[96; 4], seed)?;
+    let (r1, _) = load(&sys.url, NAME, closed(1), &[], &one).await?;
+    ok(&r1, "batch 1")?;
+    let many = requests(tok, 64, &[96; 32], seed + 1)?;
+    let (r16, _) = load(&sys.url, NAME, closed(16), &[], &many).await?;
+    ok(&r16, "batch 16")?;
+    let long = requests(tok, 256, &[1; 5], seed + 2)?;
+    let (rp, _) = load(&sys.url, NAME, closed(1), &[], &long).await?;
+    ok(&rp, "prefill")?;
+    Ok(Figures {
+        decode1: 1.0 / r1.itl.median,
+        decode16: 16.0 / r16.itl.median,
+        prefill256: 256.0 / rp.ttft.median,
+        out16: r16.output_throughput,
+    })
+}
+
+/// Part 2: this commit's server against `base`'s, in turns.
+async fn through_http(a: &SeamArgs, base: &std::path::Path, rows: &mut Vec<Row>) -> Result<()> {
+    let ours = std::env::current_exe().context("this binary's path")?;
+    let tok = p06_server::bench::load_tokenizer(&a.model)?;
+    println!("2. this commit's server vs {} (each a child process, alternating):", base.display());
+    let mut figs: [Vec<Figures>; 2] = [Vec::new(), Vec::new()];
+    for round in 0..a.rounds.max(1) {
+        let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+        for k in order {
+            let (bin, port, log) = match k {
+                0 => (ours.as_path(), 8094, "p10_seam_server"),
+                _ => (base, 8093, "p10_base_server"),
+            };
+            let sys = start(bin, &a.model, port, log).await?;
+            let f = measure(&sys, &tok, a.seed + round as u64).await?;
+            drop(sys);
+            println!(
+                "  round {round} {:>6}: decode b1 {:.1} tok/s, b16 {:.1} tok/s, prefill-256 {:.0} tok/s, c=16 output {:.1} tok/s",
+                if k == 0 { "this" } else { "base" },
+                f.decode1,
+                f.decode16,
+                f.prefill256,
+                f.out16
+            );
+            figs[k].push(f);
+        }
+    }
+    let metrics: [(&str, fn(&Figures) -> f64); 4] = [
+        ("decode tok/s at batch 1 (1 / ITL p50, concurrency 1)", |f| f.decode1),
+        ("decode tok/s at batch 16 (16 / ITL p50, concurrency 16)", |f| f.decode16),
+        ("prefill tok/s, 256-token prompts (256 / TTFT p50)", |f| f.prefill256),
+        ("closed-loop output tok/s at concurrency 16 (64-token prompts, 96 out)", |f| f.out16),
+    ];
+    let n = figs[0].len();
+    for (label, get) in metrics {
+        let this: Vec<f64> = figs[0].iter().map(get).collect();
+        let was: Vec<f64> = figs[1].iter().map(get).collect();
+        let ratios: Vec<f64> = this.iter().zip(&was).map(|(x, y)| 100.0 * x / y).collect();
+        let (t, b, r) = (summarize(&this), summarize(&was), summarize(&ratios));
+        println!(
+            "  {label}: this {:.1}, base {:.1} (medians of {n}); this / base {:.1}% median, {:.1}..{:.1}% over rounds",
+            t.median, b.median, r.median, r.min, r.max
+        );
+        rows.push(Row::new(format!("p10 {label}, this commit, median of {n} rounds"), t.median, "tok/s"));
+        rows.push(Row::new(format!("p10 {label}, base commit, median of {n} rounds"), b.median, "tok/s"));
+        rows.push(
+            Row::new(format!("p10 {label}, this / base, median of {n} rounds"), r.median, "%")
+                .predicted("within 3% (target); ~100%"),
+        );
+        rows.push(Row::new(format!("p10 {label}, this / base, lowest of {n} rounds"), r.min, "%"));
+        rows.push(Row::new(format!("p10 {label}, this / base, highest of {n} rounds"), r.max, "%"));
+    }
+    Ok(())
+}
