@@ -82,9 +82,7 @@ impl InputProcessor {
                 self.check_bytes("messages", turns.iter().map(|(_, c)| c.len()).sum())?;
                 let turns: Vec<(&str, &str)> =
                     turns.iter().map(|(r, c)| (*r, c.as_str())).collect();
-                self.prompts
-                    .encode_chat(&turns)
-                    .map_err(prompt_error)
+                self.prompts.encode_chat(&turns).map_err(prompt_error)
             }
         }
     }

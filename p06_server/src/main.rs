@@ -72,7 +72,11 @@ async fn serve(a: ServeArgs) -> Result<()> {
     }
     let max_waiting = a.max_waiting;
     server::serve_model(&a.listen, move |path, name| {
-        Ok(Arc::new(p06_server::SerialEngine::load(path, name, max_waiting)?))
+        Ok(Arc::new(p06_server::SerialEngine::load(
+            path,
+            name,
+            max_waiting,
+        )?))
     })
     .await
 }

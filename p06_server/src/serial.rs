@@ -66,7 +66,11 @@ impl SerialEngine {
     }
 
     /// Load a GGUF / HF Llama model and start the serial engine on it.
-    pub fn load(path: &std::path::Path, name: &str, max_waiting: usize) -> Result<SerialEngine, LoadError> {
+    pub fn load(
+        path: &std::path::Path,
+        name: &str,
+        max_waiting: usize,
+    ) -> Result<SerialEngine, LoadError> {
         let (engine, tokenizer) = load_local(path)?;
         Ok(SerialEngine::start(
             Arc::new(engine),

@@ -92,7 +92,6 @@ impl Default for ContinuousConfig {
     }
 }
 
-
 /// The engine core's part of a sequence's record.
 #[derive(Debug)]
 pub struct SeqData<C> {
@@ -289,12 +288,17 @@ impl<'a, B: KvBackend, R: ModelRunner, C> EngineCore<'a, B, R, C> {
         }
         let mut children = Vec::with_capacity(others.len());
         for (i, (id, _)) in (1u64..).zip(others) {
-            if id == parent || self.is_held(*id) || others[..i as usize - 1].iter().any(|c| c.0 == *id) {
+            if id == parent
+                || self.is_held(*id)
+                || others[..i as usize - 1].iter().any(|c| c.0 == *id)
+            {
                 return Err(SchedulerError::Duplicate(*id).into());
             }
             let mut p = params.clone();
             p.sampling.seed = Some(p.sampling.seed.unwrap_or(0).wrapping_add(i));
-            children.push(Sequence::new::<std::convert::Infallible>(&self.info, prompt, &p)?);
+            children.push(Sequence::new::<std::convert::Infallible>(
+                &self.info, prompt, &p,
+            )?);
         }
         let max_len = prompt.len().saturating_add(params.max_tokens);
         self.scheduler

@@ -102,7 +102,12 @@ impl<B: KvBackend, R: ModelRunner, C> EngineCore<'_, B, R, C> {
     /// Run an exported sequence here as `id`, from its next decode step,
     /// with `client` as its stream. Refused (the client comes back) when
     /// the state does not fit this engine: layout, context, room.
-    pub fn import(&mut self, id: SeqId, state: &SeqExport, client: C) -> Result<(), (HandoffError, C)> {
+    pub fn import(
+        &mut self,
+        id: SeqId,
+        state: &SeqExport,
+        client: C,
+    ) -> Result<(), (HandoffError, C)> {
         match self.admit_imported(id, state) {
             Ok((seq, max_len)) => {
                 let n = seq.history().len();
@@ -120,7 +125,11 @@ impl<B: KvBackend, R: ModelRunner, C> EngineCore<'_, B, R, C> {
 
     /// Check the state, allocate its K/V and write it; the sequence and its
     /// most positions.
-    fn admit_imported(&mut self, id: SeqId, state: &SeqExport) -> Result<(Sequence, usize), HandoffError> {
+    fn admit_imported(
+        &mut self,
+        id: SeqId,
+        state: &SeqExport,
+    ) -> Result<(Sequence, usize), HandoffError> {
         if self.is_held(id) {
             return Err(HandoffError::Duplicate(id));
         }

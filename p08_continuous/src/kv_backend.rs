@@ -88,4 +88,3 @@ pub struct KvMetric {
     pub kind: &'static str,
     pub value: f64,
 }
-

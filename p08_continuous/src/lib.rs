@@ -28,7 +28,7 @@ pub mod serve_bench;
 pub mod stats;
 
 pub use crate::core::{ContinuousConfig, EngineCore, LocalCore, NewRequest};
+pub use crate::engine::ContinuousEngine;
 pub use crate::handoff::{HandoffError, SeqExport};
 pub use crate::runner::{LocalRunner, ModelRunner, StepPlan};
-pub use crate::engine::ContinuousEngine;
 pub use crate::scheduler::{Scheduler, SchedulerConfig};

@@ -68,8 +68,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
     let config = a.sched.config();
     server::serve_model(&a.listen, move |path, name| {
         let (engine, tokenizer) = p06_server::load::load_local(path)?;
-        let engine =
-            ContinuousEngine::start(Arc::new(engine), Arc::new(tokenizer), name, config)?;
+        let engine = ContinuousEngine::start(Arc::new(engine), Arc::new(tokenizer), name, config)?;
         Ok(Arc::new(engine))
     })
     .await

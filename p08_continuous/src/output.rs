@@ -89,4 +89,3 @@ impl<C> Default for StepOutput<C> {
         }
     }
 }
-

@@ -33,7 +33,9 @@ pub enum PlanCodecError {
     Version { got: u16 },
     #[error("step plan ends at byte {at} inside {what}")]
     Truncated { at: usize, what: &'static str },
-    #[error("step plan: {what} count {count} at byte {at} is more than the {left} bytes left hold")]
+    #[error(
+        "step plan: {what} count {count} at byte {at} is more than the {left} bytes left hold"
+    )]
     Count {
         what: &'static str,
         count: usize,

@@ -116,8 +116,7 @@ pub trait ModelRunner {
     fn layout(&self) -> KvLayout;
 
     /// A copy of the first `tokens` positions of a sequence's K/V.
-    fn export_kv(&mut self, id: SeqId, kv: &SeqKv, tokens: usize)
-        -> Result<KvBuffer, RunnerError>;
+    fn export_kv(&mut self, id: SeqId, kv: &SeqKv, tokens: usize) -> Result<KvBuffer, RunnerError>;
 
     /// Write `buf` into a sequence's K/V (allocated by the core), refusing
     /// a buffer whose layout is not this storage's.
@@ -228,12 +227,7 @@ impl<M: BatchModel, S: KvStorage> ModelRunner for LocalRunner<'_, M, S> {
         self.storage.layout()
     }
 
-    fn export_kv(
-        &mut self,
-        id: SeqId,
-        kv: &SeqKv,
-        tokens: usize,
-    ) -> Result<KvBuffer, RunnerError> {
+    fn export_kv(&mut self, id: SeqId, kv: &SeqKv, tokens: usize) -> Result<KvBuffer, RunnerError> {
         self.storage.export(id, kv, tokens).map_err(storage_err)
     }
 

@@ -566,8 +566,13 @@ impl<T: SeqTokens> Scheduler<T> {
     }
 
     /// Admit waiting sequences in arrival order (step 3).
-    fn admit<A>(&mut self, kv: &mut A, plan: &mut Schedule, budget: &mut usize, cap: &mut PrefillCap)
-    where
+    fn admit<A>(
+        &mut self,
+        kv: &mut A,
+        plan: &mut Schedule,
+        budget: &mut usize,
+        cap: &mut PrefillCap,
+    ) where
         A: KvAllocator + ?Sized,
     {
         // Waiting sequences that did not fit, and whether a later one got in.

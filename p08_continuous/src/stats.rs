@@ -66,7 +66,8 @@ impl StepStats {
             return;
         }
         self.steps += 1;
-        self.iteration_tokens.observe(out.schedule.num_tokens() as f64);
+        self.iteration_tokens
+            .observe(out.schedule.num_tokens() as f64);
         self.step_seconds.observe(step_s);
         for s in &out.schedule.seqs {
             if s.decode {

@@ -34,7 +34,9 @@ fn every_plan_round_trips_through_its_encoding() {
     p.sampling.temperature = 0.7;
     p.sampling.seed = Some(3);
     assert!(core.add_choices(&[1, 2, 3], &prompt, &p, b"").unwrap());
-    assert!(core.add(4, &tok.encode("Hello"), &GenerateParams::greedy(3)).unwrap());
+    assert!(core
+        .add(4, &tok.encode("Hello"), &GenerateParams::greedy(3))
+        .unwrap());
     let (mut plans, mut forks, mut frees) = (0, 0, 0);
     while core.has_work() {
         let out = core.step();
@@ -43,8 +45,16 @@ fn every_plan_round_trips_through_its_encoding() {
         let bytes = plan.encode().unwrap();
         assert_eq!(&StepPlan::decode(&bytes).unwrap(), plan);
         plans += 1;
-        forks += plan.ops.iter().filter(|o| matches!(o, KvOp::Fork { .. })).count();
-        frees += plan.ops.iter().filter(|o| matches!(o, KvOp::Free { .. })).count();
+        forks += plan
+            .ops
+            .iter()
+            .filter(|o| matches!(o, KvOp::Fork { .. }))
+            .count();
+        frees += plan
+            .ops
+            .iter()
+            .filter(|o| matches!(o, KvOp::Free { .. }))
+            .count();
     }
     assert!(plans > 4, "prefill chunks and decodes");
     assert_eq!(forks, 2, "the two other choices fork the first");

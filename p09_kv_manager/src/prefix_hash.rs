@@ -40,7 +40,11 @@ impl BlockHasher for Xxh3BlockHasher {
             None => h.update(&[0]),
         }
         // Lengths above u32::MAX cannot occur (a block, a salt); saturate.
-        h.update(&u32::try_from(tokens.len()).unwrap_or(u32::MAX).to_le_bytes());
+        h.update(
+            &u32::try_from(tokens.len())
+                .unwrap_or(u32::MAX)
+                .to_le_bytes(),
+        );
         for t in tokens {
             h.update(&t.to_le_bytes());
         }
@@ -111,7 +115,10 @@ mod tests {
         }
         let exe = std::env::current_exe().unwrap();
         let out = std::process::Command::new(exe)
-            .args(["--exact", "prefix_hash::tests::two_processes_agree_on_a_hash"])
+            .args([
+                "--exact",
+                "prefix_hash::tests::two_processes_agree_on_a_hash",
+            ])
             .args(["--nocapture", "--test-threads=1"])
             .env("INFERENCE_LAB_HASH_CHILD", "1")
             .output()

@@ -26,8 +26,6 @@ mod avx512_tile;
 #[cfg(feature = "bench")]
 pub mod batch_bench;
 #[cfg(feature = "bench")]
-pub mod seam_bench;
-#[cfg(feature = "bench")]
 pub mod bench;
 pub mod dot;
 pub mod formats;
@@ -42,6 +40,8 @@ pub mod panel;
 pub mod peak;
 pub mod perplexity;
 pub mod pool;
+#[cfg(feature = "bench")]
+pub mod seam_bench;
 #[cfg(feature = "bench")]
 pub mod study;
 pub mod tile;

@@ -132,7 +132,10 @@ fn in_process(a: &SeamArgs, rows: &mut Vec<Row>) -> Result<()> {
             "a few us: one small Vec per sequence, ~100 B encoded",
         ));
         rows.extend(Row::median_p95(
-            format!("p10 decode step through the engine core, batch {batch}, native ({} samples)", step.len()),
+            format!(
+                "p10 decode step through the engine core, batch {batch}, native ({} samples)",
+                step.len()
+            ),
             t.median,
             t.p95,
             "ms",
@@ -140,7 +143,9 @@ fn in_process(a: &SeamArgs, rows: &mut Vec<Row>) -> Result<()> {
         ));
         rows.push(
             Row::new(
-                format!("p10 seam share of a batch-{batch} decode step (median seam / median step)"),
+                format!(
+                    "p10 seam share of a batch-{batch} decode step (median seam / median step)"
+                ),
                 share,
                 "%",
             )
@@ -158,6 +163,9 @@ struct Figures {
     prefill256: f64,
     out16: f64,
 }
+
+/// One of [`Figures`]' fields.
+type Metric = fn(&Figures) -> f64;
 
 const NAME: &str = "SmolLM2-135M-Instruct";
 
@@ -183,7 +191,12 @@ async fn measure(sys: &System, tok: &p04_transformer::Tokenizer, seed: u64) -> R
     use p07_batching::serve_bench::{load, requests};
     let closed = |c| Arrival::Closed { concurrency: c };
     let ok = |r: &Report, what: &str| -> Result<()> {
-        anyhow::ensure!(r.failed == 0, "{what}: {} requests failed: {:?}", r.failed, r.errors);
+        anyhow::ensure!(
+            r.failed == 0,
+            "{what}: {} requests failed: {:?}",
+            r.failed,
+            r.errors
+        );
         Ok(())
     };
     let warm = requests(tok, 32, &[8; 4], seed + 100)?;
@@ -209,7 +222,10 @@ async fn measure(sys: &System, tok: &p04_transformer::Tokenizer, seed: u64) -> R
 async fn through_http(a: &SeamArgs, base: &std::path::Path, rows: &mut Vec<Row>) -> Result<()> {
     let ours = std::env::current_exe().context("this binary's path")?;
     let tok = p06_server::bench::load_tokenizer(&a.model)?;
-    println!("2. this commit's server vs {} (each a child process, alternating):", base.display());
+    println!(
+        "2. this commit's server vs {} (each a child process, alternating):",
+        base.display()
+    );
     let mut figs: [Vec<Figures>; 2] = [Vec::new(), Vec::new()];
     for round in 0..a.rounds.max(1) {
         let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
@@ -232,11 +248,22 @@ async fn through_http(a: &SeamArgs, base: &std::path::Path, rows: &mut Vec<Row>)
             figs[k].push(f);
         }
     }
-    let metrics: [(&str, fn(&Figures) -> f64); 4] = [
-        ("decode tok/s at batch 1 (1 / ITL p50, concurrency 1)", |f| f.decode1),
-        ("decode tok/s at batch 16 (16 / ITL p50, concurrency 16)", |f| f.decode16),
-        ("prefill tok/s, 256-token prompts (256 / TTFT p50)", |f| f.prefill256),
-        ("closed-loop output tok/s at concurrency 16 (64-token prompts, 96 out)", |f| f.out16),
+    let metrics: [(&str, Metric); 4] = [
+        (
+            "decode tok/s at batch 1 (1 / ITL p50, concurrency 1)",
+            |f| f.decode1,
+        ),
+        (
+            "decode tok/s at batch 16 (16 / ITL p50, concurrency 16)",
+            |f| f.decode16,
+        ),
+        ("prefill tok/s, 256-token prompts (256 / TTFT p50)", |f| {
+            f.prefill256
+        }),
+        (
+            "closed-loop output tok/s at concurrency 16 (64-token prompts, 96 out)",
+            |f| f.out16,
+        ),
     ];
     let n = figs[0].len();
     for (label, get) in metrics {
@@ -248,14 +275,34 @@ async fn through_http(a: &SeamArgs, base: &std::path::Path, rows: &mut Vec<Row>)
             "  {label}: this {:.1}, base {:.1} (medians of {n}); this / base {:.1}% median, {:.1}..{:.1}% over rounds",
             t.median, b.median, r.median, r.min, r.max
         );
-        rows.push(Row::new(format!("p10 {label}, this commit, median of {n} rounds"), t.median, "tok/s"));
-        rows.push(Row::new(format!("p10 {label}, base commit, median of {n} rounds"), b.median, "tok/s"));
+        rows.push(Row::new(
+            format!("p10 {label}, this commit, median of {n} rounds"),
+            t.median,
+            "tok/s",
+        ));
+        rows.push(Row::new(
+            format!("p10 {label}, base commit, median of {n} rounds"),
+            b.median,
+            "tok/s",
+        ));
         rows.push(
-            Row::new(format!("p10 {label}, this / base, median of {n} rounds"), r.median, "%")
-                .predicted("within 3% (target); ~100%"),
+            Row::new(
+                format!("p10 {label}, this / base, median of {n} rounds"),
+                r.median,
+                "%",
+            )
+            .predicted("within 3% (target); ~100%"),
         );
-        rows.push(Row::new(format!("p10 {label}, this / base, lowest of {n} rounds"), r.min, "%"));
-        rows.push(Row::new(format!("p10 {label}, this / base, highest of {n} rounds"), r.max, "%"));
+        rows.push(Row::new(
+            format!("p10 {label}, this / base, lowest of {n} rounds"),
+            r.min,
+            "%",
+        ));
+        rows.push(Row::new(
+            format!("p10 {label}, this / base, highest of {n} rounds"),
+            r.max,
+            "%",
+        ));
     }
     Ok(())
 }

@@ -85,7 +85,10 @@ fn steps(core: &mut LocalCore<'_, LlamaEngine, PagedKv>, id: SeqId, until: usize
 fn assert_same(label: &str, want: &Rows, got: &Rows) {
     assert_eq!(want.len(), got.len(), "{label}: samples");
     for (i, ((wt, wl), (gt, gl))) in want.iter().zip(got).enumerate() {
-        let k = wl.iter().zip(gl).position(|(a, b)| a.to_bits() != b.to_bits());
+        let k = wl
+            .iter()
+            .zip(gl)
+            .position(|(a, b)| a.to_bits() != b.to_bits());
         assert!(k.is_none(), "{label}, token {i}: logit {k:?} differs");
         assert_eq!(wt, gt, "{label}, token {i}");
     }
@@ -117,7 +120,9 @@ fn check(m: &Model, name: &str, seeded: bool) {
         b.record_logits(true);
         for (j, n) in NEIGHBOURS.iter().enumerate() {
             let ids = m.tok.encode(n);
-            assert!(b.add(100 + j as SeqId, &ids, &params(seeded, 9 + j)).unwrap());
+            assert!(b
+                .add(100 + j as SeqId, &ids, &params(seeded, 9 + j))
+                .unwrap());
         }
         let _ = steps(&mut b, 100, 3);
         b.import(42, &state, ()).map_err(|(e, _)| e).unwrap();

@@ -35,4 +35,3 @@ pub fn f32_model() -> &'static Model {
     static M: OnceLock<Model> = OnceLock::new();
     M.get_or_init(|| load(false))
 }
-
