@@ -5,8 +5,9 @@
 //!    (`StepTiming::plan_s`) plus its binary encoding and decoding (what a
 //!    remote runner would add), beside the whole step.
 //! 2. Through HTTP, this binary's server against another commit's
-//!    (`--base-bin`), each a child process on the same flags, in turns
-//!    (order alternating by round): decode tok/s at batch 1 (1 / ITL p50,
+//!    (`--base-bin`) and against that binary again (the control: what two
+//!    processes of one binary differ by), each a child process on the same
+//!    flags, in turns (order rotating by round): decode tok/s at batch 1 (1 / ITL p50,
 //!    concurrency 1) and at 16 (16 / ITL p50, concurrency 16), prefill
 //!    tok/s of 256-token prompts (256 / TTFT p50, one output token), and
 //!    closed-loop output tok/s at concurrency 16. Each metric's ratio
@@ -218,32 +219,30 @@ async fn measure(sys: &System, tok: &p04_transformer::Tokenizer, seed: u64) -> R
     })
 }
 
-/// Part 2: this commit's server against `base`'s, in turns.
+/// Part 2: this commit's server against `base`'s, and `base` again (the
+/// control), in turns.
 async fn through_http(a: &SeamArgs, base: &std::path::Path, rows: &mut Vec<Row>) -> Result<()> {
     let ours = std::env::current_exe().context("this binary's path")?;
     let tok = p06_server::bench::load_tokenizer(&a.model)?;
     println!(
-        "2. this commit's server vs {} (each a child process, alternating):",
+        "2. this commit's server vs {} twice (the second: two processes of one binary, the noise floor), order rotating:",
         base.display()
     );
-    let mut figs: [Vec<Figures>; 2] = [Vec::new(), Vec::new()];
+    let names = ["this", "base", "base again"];
+    let mut figs: [Vec<Figures>; 3] = [Vec::new(), Vec::new(), Vec::new()];
     for round in 0..a.rounds.max(1) {
-        let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
-        for k in order {
+        for k in [round % 3, (round + 1) % 3, (round + 2) % 3] {
             let (bin, port, log) = match k {
                 0 => (ours.as_path(), 8094, "p10_seam_server"),
-                _ => (base, 8093, "p10_base_server"),
+                1 => (base, 8093, "p10_base_server"),
+                _ => (base, 8095, "p10_base_server_again"),
             };
             let sys = start(bin, &a.model, port, log).await?;
             let f = measure(&sys, &tok, a.seed + round as u64).await?;
             drop(sys);
             println!(
-                "  round {round} {:>6}: decode b1 {:.1} tok/s, b16 {:.1} tok/s, prefill-256 {:.0} tok/s, c=16 output {:.1} tok/s",
-                if k == 0 { "this" } else { "base" },
-                f.decode1,
-                f.decode16,
-                f.prefill256,
-                f.out16
+                "  round {round} {:>10}: decode b1 {:.1} tok/s, b16 {:.1} tok/s, prefill-256 {:.0} tok/s, c=16 output {:.1} tok/s",
+                names[k], f.decode1, f.decode16, f.prefill256, f.out16
             );
             figs[k].push(f);
         }
@@ -267,40 +266,60 @@ async fn through_http(a: &SeamArgs, base: &std::path::Path, rows: &mut Vec<Row>)
     ];
     let n = figs[0].len();
     for (label, get) in metrics {
-        let this: Vec<f64> = figs[0].iter().map(get).collect();
-        let was: Vec<f64> = figs[1].iter().map(get).collect();
-        let ratios: Vec<f64> = this.iter().zip(&was).map(|(x, y)| 100.0 * x / y).collect();
-        let (t, b, r) = (summarize(&this), summarize(&was), summarize(&ratios));
+        let col = |k: usize| -> Vec<f64> { figs[k].iter().map(get).collect() };
+        let (this, was, again) = (col(0), col(1), col(2));
+        let ratio =
+            |x: &[f64]| -> Vec<f64> { x.iter().zip(&was).map(|(x, y)| 100.0 * x / y).collect() };
+        let (t, b) = (summarize(&this), summarize(&was));
+        let (r, c) = (summarize(&ratio(&this)), summarize(&ratio(&again)));
         println!(
-            "  {label}: this {:.1}, base {:.1} (medians of {n}); this / base {:.1}% median, {:.1}..{:.1}% over rounds",
-            t.median, b.median, r.median, r.min, r.max
+            "  {label}: this {:.1}, base {:.1} (medians of {n}); this / base {:.1}% median ({:.1}..{:.1}); base again / base {:.1}% median ({:.1}..{:.1})",
+            t.median, b.median, r.median, r.min, r.max, c.median, c.min, c.max
         );
-        rows.push(Row::new(
-            format!("p10 {label}, this commit, median of {n} rounds"),
+        let row =
+            |what: String, v: f64, unit: &str| Row::new(format!("p10 {label}, {what}"), v, unit);
+        rows.push(row(
+            format!("this commit, median of {n} rounds"),
             t.median,
             "tok/s",
         ));
-        rows.push(Row::new(
-            format!("p10 {label}, base commit, median of {n} rounds"),
+        rows.push(row(
+            format!("base commit, median of {n} rounds"),
             b.median,
             "tok/s",
         ));
         rows.push(
-            Row::new(
-                format!("p10 {label}, this / base, median of {n} rounds"),
-                r.median,
-                "%",
-            )
-            .predicted("within 3% (target); ~100%"),
+            row(format!("this / base, median of {n} rounds"), r.median, "%")
+                .predicted("within 3% (target); ~100%"),
         );
-        rows.push(Row::new(
-            format!("p10 {label}, this / base, lowest of {n} rounds"),
+        rows.push(row(
+            format!("this / base, lowest of {n} rounds"),
             r.min,
             "%",
         ));
-        rows.push(Row::new(
-            format!("p10 {label}, this / base, highest of {n} rounds"),
+        rows.push(row(
+            format!("this / base, highest of {n} rounds"),
             r.max,
+            "%",
+        ));
+        rows.push(
+            row(
+                format!(
+                    "base again / base (control: one binary, two processes), median of {n} rounds"
+                ),
+                c.median,
+                "%",
+            )
+            .predicted("~100%, spread as wide as this / base"),
+        );
+        rows.push(row(
+            format!("base again / base, lowest of {n} rounds"),
+            c.min,
+            "%",
+        ));
+        rows.push(row(
+            format!("base again / base, highest of {n} rounds"),
+            c.max,
             "%",
         ));
     }
