@@ -212,9 +212,10 @@ async fn measure(sys: &System, tok: &p04_transformer::Tokenizer, seed: u64) -> R
     let (rp, _) = load(&sys.url, NAME, closed(1), &[], &long).await?;
     ok(&rp, "prefill")?;
     Ok(Figures {
-        decode1: 1.0 / r1.itl.median,
-        decode16: 16.0 / r16.itl.median,
-        prefill256: 256.0 / rp.ttft.median,
+        // The summaries are in milliseconds.
+        decode1: 1e3 / r1.itl.median,
+        decode16: 16e3 / r16.itl.median,
+        prefill256: 256e3 / rp.ttft.median,
         out16: r16.output_throughput,
     })
 }
