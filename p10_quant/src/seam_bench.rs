@@ -46,6 +46,10 @@ pub struct SeamArgs {
     /// Timed decode steps per batch size in part 1.
     #[arg(long, default_value_t = 64)]
     pub steps: usize,
+    /// What part 2 measures: decode (batch 1 and 16, and the closed-loop
+    /// output), prefill.
+    #[arg(long, value_delimiter = ',', default_value = "decode,prefill")]
+    pub http_parts: Vec<String>,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     #[arg(long)]
@@ -65,7 +69,9 @@ pub fn run(a: &SeamArgs) -> Result<()> {
         println!("(no --base-bin: part 2, the A/B through HTTP, skipped)");
     }
     if !a.no_record {
-        Recorder::for_workspace(command_line("p10_quant")).append(&rows)?;
+        Recorder::for_workspace(command_line("p10_quant"))
+            .machine_note(&format!("kernels {}", NativeWeights::detect().dot.isa()))
+            .append(&rows)?;
     }
     Ok(())
 }
@@ -188,7 +194,13 @@ async fn start(bin: &std::path::Path, model: &str, port: u16, log: &str) -> Resu
     Ok(sys)
 }
 
-async fn measure(sys: &System, tok: &p04_transformer::Tokenizer, seed: u64) -> Result<Figures> {
+/// The figures of `sys`; the parts not asked for are NaN.
+async fn measure(
+    sys: &System,
+    tok: &p04_transformer::Tokenizer,
+    seed: u64,
+    parts: &[String],
+) -> Result<Figures> {
     use p07_batching::serve_bench::{load, requests};
     let closed = |c| Arrival::Closed { concurrency: c };
     let ok = |r: &Report, what: &str| -> Result<()> {
@@ -200,24 +212,34 @@ async fn measure(sys: &System, tok: &p04_transformer::Tokenizer, seed: u64) -> R
         );
         Ok(())
     };
+    let wants = |p: &str| parts.iter().any(|x| x == p);
     let warm = requests(tok, 32, &[8; 4], seed + 100)?;
     load(&sys.url, NAME, closed(2), &[], &warm).await?;
-    let one = requests(tok, 64, &[96; 4], seed)?;
-    let (r1, _) = load(&sys.url, NAME, closed(1), &[], &one).await?;
-    ok(&r1, "batch 1")?;
-    let many = requests(tok, 64, &[96; 32], seed + 1)?;
-    let (r16, _) = load(&sys.url, NAME, closed(16), &[], &many).await?;
-    ok(&r16, "batch 16")?;
-    let long = requests(tok, 256, &[1; 5], seed + 2)?;
-    let (rp, _) = load(&sys.url, NAME, closed(1), &[], &long).await?;
-    ok(&rp, "prefill")?;
-    Ok(Figures {
-        // The summaries are in milliseconds.
-        decode1: 1e3 / r1.itl.median,
-        decode16: 16e3 / r16.itl.median,
-        prefill256: 256e3 / rp.ttft.median,
-        out16: r16.output_throughput,
-    })
+    let mut f = Figures {
+        decode1: f64::NAN,
+        decode16: f64::NAN,
+        prefill256: f64::NAN,
+        out16: f64::NAN,
+    };
+    // The summaries are in milliseconds.
+    if wants("decode") {
+        let one = requests(tok, 64, &[96; 4], seed)?;
+        let (r1, _) = load(&sys.url, NAME, closed(1), &[], &one).await?;
+        ok(&r1, "batch 1")?;
+        let many = requests(tok, 64, &[96; 32], seed + 1)?;
+        let (r16, _) = load(&sys.url, NAME, closed(16), &[], &many).await?;
+        ok(&r16, "batch 16")?;
+        f.decode1 = 1e3 / r1.itl.median;
+        f.decode16 = 16e3 / r16.itl.median;
+        f.out16 = r16.output_throughput;
+    }
+    if wants("prefill") {
+        let long = requests(tok, 256, &[1; 5], seed + 2)?;
+        let (rp, _) = load(&sys.url, NAME, closed(1), &[], &long).await?;
+        ok(&rp, "prefill")?;
+        f.prefill256 = 256e3 / rp.ttft.median;
+    }
+    Ok(f)
 }
 
 /// Part 2: this commit's server against `base`'s, and `base` again (the
@@ -239,7 +261,7 @@ async fn through_http(a: &SeamArgs, base: &std::path::Path, rows: &mut Vec<Row>)
                 _ => (base, 8095, "p10_base_server_again"),
             };
             let sys = start(bin, &a.model, port, log).await?;
-            let f = measure(&sys, &tok, a.seed + round as u64).await?;
+            let f = measure(&sys, &tok, a.seed + round as u64, &a.http_parts).await?;
             drop(sys);
             println!(
                 "  round {round} {:>10}: decode b1 {:.1} tok/s, b16 {:.1} tok/s, prefill-256 {:.0} tok/s, c=16 output {:.1} tok/s",
@@ -269,6 +291,9 @@ async fn through_http(a: &SeamArgs, base: &std::path::Path, rows: &mut Vec<Row>)
     for (label, get) in metrics {
         let col = |k: usize| -> Vec<f64> { figs[k].iter().map(get).collect() };
         let (this, was, again) = (col(0), col(1), col(2));
+        if this.iter().any(|v| v.is_nan()) {
+            continue; // not measured in this run
+        }
         let ratio =
             |x: &[f64]| -> Vec<f64> { x.iter().zip(&was).map(|(x, y)| 100.0 * x / y).collect() };
         let (t, b) = (summarize(&this), summarize(&was));
