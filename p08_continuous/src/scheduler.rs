@@ -311,18 +311,31 @@ impl<T: SeqTokens> Scheduler<T> {
         data: T,
     ) -> Result<(), SchedulerError> {
         self.can_add(id, num_tokens, max_len, capacity)?;
-        self.waiting.push_back(Entry {
+        let e = self.entry(id, num_tokens, 0, max_len, data);
+        self.waiting.push_back(e);
+        Ok(())
+    }
+
+    /// A new record, next in arrival order.
+    fn entry(
+        &mut self,
+        id: SeqId,
+        num_tokens: usize,
+        computed: usize,
+        max_len: usize,
+        data: T,
+    ) -> Entry<T> {
+        self.next_arrival += 1;
+        Entry {
             id,
-            arrival: self.next_arrival,
+            arrival: self.next_arrival - 1,
             num_tokens,
-            computed: 0,
+            computed,
             max_len: max_len.max(num_tokens),
             passed_over: 0,
             preemptions: 0,
             data,
-        });
-        self.next_arrival += 1;
-        Ok(())
+        }
     }
 
     /// Run a sequence whose first `computed` tokens already have their K/V
@@ -340,17 +353,8 @@ impl<T: SeqTokens> Scheduler<T> {
         if !self.has_running_room() || self.find(id).is_some() || computed >= num_tokens {
             return Err(data);
         }
-        self.running.push(Entry {
-            id,
-            arrival: self.next_arrival,
-            num_tokens,
-            computed,
-            max_len: max_len.max(num_tokens),
-            passed_over: 0,
-            preemptions: 0,
-            data,
-        });
-        self.next_arrival += 1;
+        let e = self.entry(id, num_tokens, computed, max_len, data);
+        self.running.push(e);
         Ok(())
     }
 

@@ -143,41 +143,33 @@ fn an_f32_sequence_continues_exactly_on_another_engine() {
     check(f32_model(), "f32 seeded", true);
 }
 
-/// A buffer of another block size (or another model's shape) is refused
-/// before any block is written, and the refused sequence holds nothing.
+/// A buffer of another block size, or a truncated one, is refused before
+/// any block is written, and the refused sequence holds nothing.
 #[test]
 fn an_import_of_another_layout_is_refused_and_holds_nothing() {
     let m = f32_model();
-    let prompt = m.tok.encode(PROMPTS[0]);
-    let mut a =
-        EngineCore::with_backend(&m.engine, &m.tok, &config(), paged(&m.engine, 16)).unwrap();
-    assert!(a.add(1, &prompt, &params(false, 0)).unwrap());
+    let core = |block_size| {
+        EngineCore::with_backend(&m.engine, &m.tok, &config(), paged(&m.engine, block_size))
+            .unwrap()
+    };
+    let mut a = core(16);
+    assert!(a
+        .add(1, &m.tok.encode(PROMPTS[0]), &params(false, 0))
+        .unwrap());
     assert!(matches!(a.export(1), Err(HandoffError::NotStarted(1))));
-    let _ = steps_unit(&mut a);
+    assert_eq!(a.step().outputs.len(), 1, "the prompt and its first sample");
     let state = a.export(1).unwrap();
-    let mut b =
-        EngineCore::with_backend(&m.engine, &m.tok, &config(), paged(&m.engine, 8)).unwrap();
-    let err = b.import(7, &state, ()).map_err(|(e, _)| e).unwrap_err();
-    assert!(
-        matches!(err, HandoffError::Transfer(TransferError::Layout { .. })),
-        "{err:?}"
-    );
-    assert_eq!(b.kv().manager().used_blocks(), 0);
-    assert!(!b.has_work());
-    // A truncated buffer is refused too.
     let mut short = state.clone();
     short.kv.data.pop();
-    let mut c =
-        EngineCore::with_backend(&m.engine, &m.tok, &config(), paged(&m.engine, 16)).unwrap();
-    let err = c.import(7, &short, ()).map_err(|(e, _)| e).unwrap_err();
-    assert!(
-        matches!(err, HandoffError::Transfer(TransferError::Size { .. })),
-        "{err:?}"
-    );
-    assert_eq!(c.kv().manager().used_blocks(), 0);
-}
-
-/// One step of `core` (the prompt's prefill and first sample here).
-fn steps_unit(core: &mut LocalCore<'_, LlamaEngine, PagedKv>) -> usize {
-    core.step().outputs.len()
+    for (block_size, state) in [(8, &state), (16, &short)] {
+        let mut b = core(block_size);
+        let err = b.import(7, state, ()).map_err(|(e, _)| e).unwrap_err();
+        let want = match block_size {
+            8 => matches!(err, HandoffError::Transfer(TransferError::Layout { .. })),
+            _ => matches!(err, HandoffError::Transfer(TransferError::Size { .. })),
+        };
+        assert!(want, "block size {block_size}: {err:?}");
+        assert_eq!(b.kv().manager().used_blocks(), 0);
+        assert!(!b.has_work());
+    }
 }
