@@ -34,6 +34,7 @@ pub mod openai;
 pub mod par;
 #[cfg(feature = "bench")]
 pub mod plot;
+pub mod readme_numbers;
 pub mod rng;
 pub mod sampling;
 pub mod st;
