@@ -180,6 +180,49 @@ pub fn render_file(text: &str, rows: &[NumRow]) -> Result<String, RenderError> {
     Ok(out)
 }
 
+/// The workspace's READMEs: the root's, `RESULTS.md`, and each crate's.
+pub fn readme_files(root: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut files: Vec<std::path::PathBuf> = ["README.md", "RESULTS.md"]
+        .iter()
+        .map(|f| root.join(f))
+        .collect();
+    if let Ok(dirs) = std::fs::read_dir(root) {
+        let mut crates: Vec<_> = dirs
+            .flatten()
+            .map(|d| d.path().join("README.md"))
+            .filter(|p| {
+                p.parent()
+                    .and_then(|d| d.join("Cargo.toml").exists().then_some(()))
+                    .is_some()
+            })
+            .collect();
+        crates.sort();
+        files.extend(crates);
+    }
+    files.retain(|f| f.exists());
+    files
+}
+
+/// Each README whose blocks differ from what `numbers.md` renders (with
+/// the reason), after writing the rendered text when `write` is set.
+pub fn render_workspace(root: &std::path::Path, write: bool) -> std::io::Result<Vec<String>> {
+    let rows = parse_numbers(&std::fs::read_to_string(root.join("numbers.md"))?);
+    let mut stale = Vec::new();
+    for f in readme_files(root) {
+        let text = std::fs::read_to_string(&f)?;
+        match render_file(&text, &rows) {
+            Ok(new) if new == text => {}
+            Ok(new) if write => std::fs::write(&f, new)?,
+            Ok(_) => stale.push(format!(
+                "{}: a numbers block differs from numbers.md",
+                f.display()
+            )),
+            Err(e) => stale.push(format!("{}: {e}", f.display())),
+        }
+    }
+    Ok(stale)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -234,47 +277,4 @@ mod tests {
             Err(RenderError::Spec { .. })
         ));
     }
-}
-
-/// The workspace's READMEs: the root's, `RESULTS.md`, and each crate's.
-pub fn readme_files(root: &std::path::Path) -> Vec<std::path::PathBuf> {
-    let mut files: Vec<std::path::PathBuf> = ["README.md", "RESULTS.md"]
-        .iter()
-        .map(|f| root.join(f))
-        .collect();
-    if let Ok(dirs) = std::fs::read_dir(root) {
-        let mut crates: Vec<_> = dirs
-            .flatten()
-            .map(|d| d.path().join("README.md"))
-            .filter(|p| {
-                p.parent()
-                    .and_then(|d| d.join("Cargo.toml").exists().then_some(()))
-                    .is_some()
-            })
-            .collect();
-        crates.sort();
-        files.extend(crates);
-    }
-    files.retain(|f| f.exists());
-    files
-}
-
-/// Each README whose blocks differ from what `numbers.md` renders (with
-/// the reason), after writing the rendered text when `write` is set.
-pub fn render_workspace(root: &std::path::Path, write: bool) -> std::io::Result<Vec<String>> {
-    let rows = parse_numbers(&std::fs::read_to_string(root.join("numbers.md"))?);
-    let mut stale = Vec::new();
-    for f in readme_files(root) {
-        let text = std::fs::read_to_string(&f)?;
-        match render_file(&text, &rows) {
-            Ok(new) if new == text => {}
-            Ok(new) if write => std::fs::write(&f, new)?,
-            Ok(_) => stale.push(format!(
-                "{}: a numbers block differs from numbers.md",
-                f.display()
-            )),
-            Err(e) => stale.push(format!("{}: {e}", f.display())),
-        }
-    }
-    Ok(stale)
 }
