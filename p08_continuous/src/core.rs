@@ -426,6 +426,7 @@ impl<'a, B: KvBackend, R: ModelRunner, C> EngineCore<'a, B, R, C> {
         if schedule.is_empty() {
             out.schedule = schedule;
             // Frees of finished sequences still reach the storage.
+            self.plan.seqs.clear();
             self.plan.ops.clear();
             self.kv.take_ops(&mut self.plan.ops);
             if !self.plan.ops.is_empty() {
@@ -434,6 +435,11 @@ impl<'a, B: KvBackend, R: ModelRunner, C> EngineCore<'a, B, R, C> {
             return out;
         }
         let planned = self.build_plan(&schedule);
+        if planned.is_err() {
+            // The recorded storage work still happens (the frees and
+            // copies of sequences outside this step).
+            let _ = self.runner.apply(&self.plan.ops);
+        }
         let t2 = Instant::now();
         let ran = planned.and_then(|()| {
             self.runner
