@@ -32,13 +32,18 @@ pub fn resolve_model(spec: &str) -> Result<PathBuf, ResolveError> {
     Ok(path)
 }
 
-/// A model and its tokenizer, loaded (every weight f32, Project 05's loader).
-pub fn load_local(path: &Path) -> Result<(LlamaEngine, Tokenizer), LoadError> {
-    let loaded = p05_kv_cache::load::load(path).map_err(|source| LoadError::Model {
+/// A model loaded with every weight f32 (Project 05's loader), its
+/// failure naming the path.
+pub fn load_f32(path: &Path) -> Result<LoadedEngine, LoadError> {
+    p05_kv_cache::load::load(path).map_err(|source| LoadError::Model {
         path: path.to_path_buf(),
         source: Box::new(source),
-    })?;
-    with_tokenizer(path, loaded)
+    })
+}
+
+/// A model and its tokenizer, loaded (every weight f32).
+pub fn load_local(path: &Path) -> Result<(LlamaEngine, Tokenizer), LoadError> {
+    with_tokenizer(path, load_f32(path)?)
 }
 
 /// A loaded model's parts, or the error a model without a tokenizer is to

@@ -45,14 +45,5 @@ fn main() -> Result<()> {
 }
 
 async fn serve(cli: ServeArgs) -> Result<()> {
-    p09_kv_manager::serve::serve(cli, |path| {
-        p05_kv_cache::load::load(path).map_err(|source| {
-            p06_server::LoadError::Model {
-                path: path.to_path_buf(),
-                source: Box::new(source),
-            }
-            .into()
-        })
-    })
-    .await
+    p09_kv_manager::serve::serve(cli, |path| Ok(p06_server::load::load_f32(path)?)).await
 }
