@@ -458,6 +458,19 @@ fn child(cmd: &mut Command, log: &str) -> Result<Child> {
         .with_context(|| format!("starting {cmd:?}"))
 }
 
+/// `bin serve --model MODEL --port PORT` as a child process (its stderr
+/// in `target/LOG.log`), once it answers `/health`.
+pub(crate) async fn serve_child(bin: &Path, model: &str, port: u16, log: &str) -> Result<System> {
+    let mut cmd = Command::new(bin);
+    cmd.args(["serve", "--model", model, "--port", &port.to_string()]);
+    let sys = System {
+        url: format!("http://127.0.0.1:{port}"),
+        peer: Some(child(&mut cmd, log)?),
+    };
+    sys.healthy(&format!("{} serve", bin.display())).await?;
+    Ok(sys)
+}
+
 /// Start `name` for concurrency `c`.
 async fn start(
     name: &str,
@@ -486,15 +499,7 @@ async fn start(
         }
         "p10 previous commit" => {
             let bin = a.base_bin.as_ref().context("no --base-bin")?;
-            let port = 8093;
-            let mut cmd = Command::new(bin);
-            cmd.args(["serve", "--model", &a.model, "--port", &port.to_string()]);
-            let sys = System {
-                url: format!("http://127.0.0.1:{port}"),
-                peer: Some(child(&mut cmd, "p10_base_server")?),
-            };
-            sys.healthy("the --base-bin server").await?;
-            Ok(sys)
+            serve_child(bin, &a.model, 8093, "p10_base_server").await
         }
         "llama.cpp" => {
             let port = 8092;

@@ -14,7 +14,6 @@
 //!    (this / base) per round; the median and the spread over rounds.
 
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -29,6 +28,7 @@ use p08_continuous::serve_bench::System;
 use p08_continuous::{ContinuousConfig, EngineCore};
 use p09_kv_manager::PagedKv;
 
+use crate::batch_bench::serve_child;
 use crate::loader::load_native;
 use crate::NativeWeights;
 
@@ -176,24 +176,6 @@ type Metric = fn(&Figures) -> f64;
 
 const NAME: &str = "SmolLM2-135M-Instruct";
 
-/// Start `bin serve` on `port` and wait for it.
-async fn start(bin: &std::path::Path, model: &str, port: u16, log: &str) -> Result<System> {
-    let path = common::assets::workspace_root().join(format!("target/{log}.log"));
-    let file = std::fs::File::create(&path).with_context(|| path.display().to_string())?;
-    let child = Command::new(bin)
-        .args(["serve", "--model", model, "--port", &port.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::from(file))
-        .spawn()
-        .with_context(|| format!("starting {}", bin.display()))?;
-    let sys = System {
-        url: format!("http://127.0.0.1:{port}"),
-        peer: Some(child),
-    };
-    sys.healthy(&format!("{} serve", bin.display())).await?;
-    Ok(sys)
-}
-
 /// The figures of `sys`; the parts not asked for are NaN.
 async fn measure(
     sys: &System,
@@ -260,7 +242,7 @@ async fn through_http(a: &SeamArgs, base: &std::path::Path, rows: &mut Vec<Row>)
                 1 => (base, 8093, "p10_base_server"),
                 _ => (base, 8095, "p10_base_server_again"),
             };
-            let sys = start(bin, &a.model, port, log).await?;
+            let sys = serve_child(bin, &a.model, port, log).await?;
             let f = measure(&sys, &tok, a.seed + round as u64, &a.http_parts).await?;
             drop(sys);
             println!(
