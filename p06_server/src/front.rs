@@ -100,10 +100,6 @@ impl<J: Send + 'static> EngineFront<J> {
         self.gauges.load()
     }
 
-    pub fn gauges(&self) -> &EngineGauges {
-        &self.gauges
-    }
-
     /// Refuse new work and end what is running (between steps).
     pub fn abort_all(&self) {
         self.gauges.closing.store(true, Ordering::SeqCst);

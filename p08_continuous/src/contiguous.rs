@@ -201,11 +201,6 @@ impl ContiguousStorage {
         }
     }
 
-    /// Bytes the caches hold.
-    pub fn bytes(&self) -> usize {
-        self.caches.values().map(KvCache::allocated_bytes).sum()
-    }
-
     /// `id`'s cache with room for `capacity` positions.
     fn slot(&mut self, id: SeqId, capacity: usize) -> &mut KvCache {
         let s = self.shape;

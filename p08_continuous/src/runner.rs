@@ -95,9 +95,6 @@ pub enum RunnerError {
     Storage(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("forward: {0}")]
     Model(#[source] Box<dyn std::error::Error + Send + Sync>),
-    /// A remote runner's own failure (a lost rank, a refused plan).
-    #[error("runner: {0}")]
-    Remote(String),
 }
 
 /// Executes step plans against the K/V storage it owns.
@@ -171,14 +168,6 @@ impl<'a, M: BatchModel, S: KvStorage> LocalRunner<'a, M, S> {
             workspace: model.new_workspace(),
             batch: Batch::new(),
         }
-    }
-
-    pub fn model(&self) -> &'a M {
-        self.model
-    }
-
-    pub fn storage(&self) -> &S {
-        &self.storage
     }
 }
 
