@@ -62,4 +62,9 @@ pub enum ModelError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// A collective between the ranks that share a split model failed
+    /// (Project 13's communicator: a dead, stuck or out-of-order rank),
+    /// kept as the source so a caller can downcast it.
+    #[error("collective between ranks: {0}")]
+    Collective(#[source] Box<dyn std::error::Error + Send + Sync>),
 }

@@ -21,6 +21,7 @@ pub mod model;
 pub mod model_file;
 pub mod proj;
 pub mod prompt;
+pub mod split;
 #[cfg(feature = "bench")]
 pub mod tokenize_bench;
 pub mod tokenizer;
@@ -35,6 +36,7 @@ pub use llama::{Llama, LlamaConfig};
 pub use model_file::GgufFile;
 pub use proj::{LinearWeights, Proj, ProjLoader};
 pub use prompt::{PromptBuilder, PromptError};
+pub use split::{HeadSplit, Keep, Role, Split, SplitError};
 pub use tokenizer::Tokenizer;
 
 /// The committed fixtures directory of this crate.

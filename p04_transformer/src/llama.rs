@@ -10,6 +10,7 @@ use common::Tensor;
 use crate::error::ModelError;
 use crate::model_file::GgufFile;
 pub use crate::proj::{F32Weights, LinearWeights, Proj, ProjLoader};
+pub use crate::split::{HeadSplit, Keep, Role, Split, SplitError};
 use crate::weights::{HfDir, Source};
 
 /// Hyper-parameters (names follow the Llama paper / HF config).
@@ -34,6 +35,15 @@ pub struct LlamaConfig {
 pub struct Profile {
     /// The softmax(QK^T)V part (the rest is matmuls and elementwise ops).
     pub attention: std::time::Duration,
+}
+
+/// The sizes of the part of a block one process computes: the whole
+/// model's, or under tensor parallelism 1/P of its heads and MLP width.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PartDims {
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub intermediate_size: usize,
 }
 
 /// One decoder block's weights, (out, in) as PyTorch stores them.
@@ -72,6 +82,9 @@ pub struct Llama {
     pub lm_head: Proj,
     /// Whether the head is the embedding matrix.
     pub tied: bool,
+    /// The part of each projection kept ([`Split::whole`] but under tensor
+    /// parallelism); `cfg` is the whole model's either way.
+    pub split: Split,
     /// Threads for the matmuls.
     pub threads: usize,
 }
@@ -99,14 +112,20 @@ pub fn unpermute_qk(w: &[f32], n_head: usize, head_dim: usize, cols: usize) -> O
     if rows.checked_mul(cols)? != w.len() {
         return None;
     }
-    let mut out = vec![0.0f32; w.len()];
-    for (dst, src) in qk_row_source(n_head, head_dim).into_iter().enumerate() {
-        out[dst * cols..(dst + 1) * cols].copy_from_slice(&w[src * cols..(src + 1) * cols]);
-    }
-    Some(out)
+    Keep::whole([rows, cols], Some(qk_row_source(n_head, head_dim))).take(w)
 }
 
 impl Llama {
+    /// Heads and MLP width of this process's part of each block.
+    pub fn part_dims(&self) -> PartDims {
+        let (c, p) = (&self.cfg, self.split.size.max(1));
+        PartDims {
+            n_head: c.n_head / p,
+            n_kv_head: c.n_kv_head / p,
+            intermediate_size: c.intermediate_size / p,
+        }
+    }
+
     /// Load from a GGUF file (architecture `llama`), every weight
     /// dequantised to f32.
     pub fn from_gguf(f: &GgufFile) -> Result<Llama, ModelError> {
@@ -116,6 +135,17 @@ impl Llama {
     /// Load from a GGUF file, `loader` choosing each projection's weight
     /// format (Project 10 keeps the file's quantised blocks).
     pub fn from_gguf_with(f: &GgufFile, loader: &dyn ProjLoader) -> Result<Llama, ModelError> {
+        Llama::from_gguf_split(f, loader, Split::whole())
+    }
+
+    /// [`Llama::from_gguf_with`] keeping only `split`'s part of each
+    /// projection (a tensor-parallel rank's slice, Project 13); the
+    /// embedding table and the norms are kept whole.
+    pub fn from_gguf_split(
+        f: &GgufFile,
+        loader: &dyn ProjLoader,
+        split: Split,
+    ) -> Result<Llama, ModelError> {
         let h = &f.header;
         let arch = h.get_str("general.architecture")?;
         if arch != "llama" {
@@ -145,76 +175,81 @@ impl Llama {
             max_seq: u("context_length")?,
         };
         validate(&cfg, &f.path)?;
+        check_split(&split, &cfg, &f.path)?;
         let src = Source::Gguf(f);
         let (hd, d) = (cfg.head_dim, cfg.hidden_size);
-        // A projection (out, in): in the loader's format, else f32 (Q and K
-        // rows put back in HF order either way).
-        let native = |name: &str, out: usize, inp: usize, heads: Option<usize>| {
-            let rows = heads.map(|h| qk_row_source(h, hd));
-            let Some(p) = loader.load(f, name, [out, inp], rows.as_deref())? else {
+        // A projection (out, in), or the part of it `split` keeps: in the
+        // loader's format, else f32 (Q and K rows put back in HF order
+        // either way).
+        let native = |name: &str, keep: &Keep| {
+            let Some(p) = loader.load(f, name, keep.full, keep)? else {
                 return Ok(None);
             };
-            if (p.out_features(), p.in_features()) != (out, inp) {
+            if [p.out_features(), p.in_features()] != keep.shape() {
                 return Err(ModelError::Shape {
                     path: f.path.clone(),
                     name: name.to_string(),
-                    expected: vec![out, inp],
+                    expected: keep.shape().to_vec(),
                     found: vec![p.out_features(), p.in_features()],
                 });
             }
             Ok(Some(p))
         };
-        let proj = |name: &str, out: usize, inp: usize, heads: Option<usize>| {
-            if let Some(p) = native(name, out, inp, heads)? {
-                return Ok(p);
-            }
-            let w = src.get(name, &[out, inp])?;
-            match heads {
-                Some(h) => {
-                    let w = unpermute_qk(&w, h, hd, inp).ok_or_else(|| ModelError::Shape {
-                        path: f.path.clone(),
-                        name: name.to_string(),
-                        expected: vec![h.saturating_mul(hd), inp],
-                        found: vec![w.len() / inp.max(1), inp],
-                    })?;
-                    Proj::new(&w, out, inp)
-                }
-                None => Proj::new(&w, out, inp),
+        let kept_f32 = |name: &str, keep: &Keep, w: &[f32]| {
+            let [out, inp] = keep.full;
+            let w = keep.take(w).ok_or_else(|| ModelError::Shape {
+                path: f.path.clone(),
+                name: name.to_string(),
+                expected: vec![out, inp],
+                found: vec![w.len() / inp.max(1), inp],
+            })?;
+            Proj::new(&w, keep.shape()[0], keep.shape()[1])
+        };
+        let proj = |name: &str, role: Role, out: usize, inp: usize, heads: Option<usize>| {
+            let keep = split.keep(role, &cfg, [out, inp], heads.map(|h| qk_row_source(h, hd)));
+            match native(name, &keep)? {
+                Some(p) => Ok(p),
+                None => kept_f32(name, &keep, &src.get(name, &[out, inp])?),
             }
         };
         let mut blocks = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let g = |n: &str, shape: &[usize]| src.get(&format!("blk.{i}.{n}.weight"), shape);
-            let p =
-                |n: &str, out, inp, heads| proj(&format!("blk.{i}.{n}.weight"), out, inp, heads);
+            let p = |n: &str, role, out, inp, heads| {
+                proj(&format!("blk.{i}.{n}.weight"), role, out, inp, heads)
+            };
             let (q, kv, ff) = (cfg.n_head * hd, cfg.n_kv_head * hd, cfg.intermediate_size);
             blocks.push(LlamaBlock {
                 attn_norm: g("attn_norm", &[d])?,
-                wq: p("attn_q", q, d, Some(cfg.n_head))?,
-                wk: p("attn_k", kv, d, Some(cfg.n_kv_head))?,
-                wv: p("attn_v", kv, d, None)?,
-                wo: p("attn_output", d, q, None)?,
+                wq: p("attn_q", Role::Q, q, d, Some(cfg.n_head))?,
+                wk: p("attn_k", Role::K, kv, d, Some(cfg.n_kv_head))?,
+                wv: p("attn_v", Role::V, kv, d, None)?,
+                wo: p("attn_output", Role::O, d, q, None)?,
                 ffn_norm: g("ffn_norm", &[d])?,
-                w_gate: p("ffn_gate", ff, d, None)?,
-                w_up: p("ffn_up", ff, d, None)?,
-                w_down: p("ffn_down", d, ff, None)?,
+                w_gate: p("ffn_gate", Role::Gate, ff, d, None)?,
+                w_up: p("ffn_up", Role::Up, ff, d, None)?,
+                w_down: p("ffn_down", Role::Down, d, ff, None)?,
             });
         }
         let tok_embd = src.get("token_embd.weight", &[cfg.vocab_size, d])?;
         let tied = !h.tensors.iter().any(|t| t.name == "output.weight");
-        // A tied f32 head packs the embedding table already read.
+        // A tied head is the embedding table: in the loader's format if it
+        // takes it, else the f32 table already read (or its part).
         let lm_head = if !tied {
-            proj("output.weight", cfg.vocab_size, d, None)?
-        } else if let Some(p) = native("token_embd.weight", cfg.vocab_size, d, None)? {
-            p
+            proj("output.weight", Role::Head, cfg.vocab_size, d, None)?
         } else {
-            Proj::new(&tok_embd, cfg.vocab_size, d)?
+            let keep = split.keep(Role::Head, &cfg, [cfg.vocab_size, d], None);
+            match native("token_embd.weight", &keep)? {
+                Some(p) => p,
+                None => kept_f32("token_embd.weight", &keep, &tok_embd)?,
+            }
         };
         Ok(Llama {
             tok_embd,
             out_norm: src.get("output_norm.weight", &[d])?,
             lm_head,
             tied,
+            split,
             blocks,
             threads: rayon_threads(),
             cfg,
@@ -223,6 +258,11 @@ impl Llama {
 
     /// Load from a Hugging Face directory (`config.json` + `model.safetensors`).
     pub fn from_hf_dir(dir: &Path) -> Result<Llama, ModelError> {
+        Llama::from_hf_dir_split(dir, Split::whole())
+    }
+
+    /// [`Llama::from_hf_dir`] keeping only `split`'s part of each projection.
+    pub fn from_hf_dir_split(dir: &Path, split: Split) -> Result<Llama, ModelError> {
         let hf = HfDir::open(dir)?;
         let c = &hf.config;
         let n_head = hf.usize("num_attention_heads")?;
@@ -246,35 +286,55 @@ impl Llama {
             max_seq: hf.usize("max_position_embeddings")?,
         };
         validate(&cfg, &hf.config_path)?;
+        check_split(&split, &cfg, &hf.config_path)?;
         let src = Source::Hf(&hf);
+        let proj = |name: &str, role: Role, out: usize, inp: usize, w: &[f32]| {
+            let keep = split.keep(role, &cfg, [out, inp], None);
+            let kept = keep.take(w).ok_or_else(|| ModelError::Shape {
+                path: hf.weights.path.clone(),
+                name: name.to_string(),
+                expected: vec![out, inp],
+                found: vec![w.len() / inp.max(1), inp],
+            })?;
+            Proj::new(&kept, keep.shape()[0], keep.shape()[1])
+        };
         let (hd, d) = (cfg.head_dim, cfg.hidden_size);
         let mut blocks = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
-            let g =
-                |n: &str, shape: &[usize]| src.get(&format!("model.layers.{i}.{n}.weight"), shape);
+            let name = |n: &str| format!("model.layers.{i}.{n}.weight");
+            let g = |n: &str, shape: &[usize]| src.get(&name(n), shape);
+            let p = |n: &str, role, out, inp| proj(&name(n), role, out, inp, &g(n, &[out, inp])?);
             let (q, kv, ff) = (cfg.n_head * hd, cfg.n_kv_head * hd, cfg.intermediate_size);
             blocks.push(LlamaBlock {
                 attn_norm: g("input_layernorm", &[d])?,
-                wq: Proj::new(&g("self_attn.q_proj", &[q, d])?, q, d)?,
-                wk: Proj::new(&g("self_attn.k_proj", &[kv, d])?, kv, d)?,
-                wv: Proj::new(&g("self_attn.v_proj", &[kv, d])?, kv, d)?,
-                wo: Proj::new(&g("self_attn.o_proj", &[d, q])?, d, q)?,
+                wq: p("self_attn.q_proj", Role::Q, q, d)?,
+                wk: p("self_attn.k_proj", Role::K, kv, d)?,
+                wv: p("self_attn.v_proj", Role::V, kv, d)?,
+                wo: p("self_attn.o_proj", Role::O, d, q)?,
                 ffn_norm: g("post_attention_layernorm", &[d])?,
-                w_gate: Proj::new(&g("mlp.gate_proj", &[ff, d])?, ff, d)?,
-                w_up: Proj::new(&g("mlp.up_proj", &[ff, d])?, ff, d)?,
-                w_down: Proj::new(&g("mlp.down_proj", &[d, ff])?, d, ff)?,
+                w_gate: p("mlp.gate_proj", Role::Gate, ff, d)?,
+                w_up: p("mlp.up_proj", Role::Up, ff, d)?,
+                w_down: p("mlp.down_proj", Role::Down, d, ff)?,
             });
         }
         let tied = c["tie_word_embeddings"].as_bool().unwrap_or(false) || !hf.has("lm_head.weight");
         let tok_embd = src.get("model.embed_tokens.weight", &[cfg.vocab_size, d])?;
-        let head = if tied {
-            tok_embd.clone()
+        let lm_head = if tied {
+            proj(
+                "model.embed_tokens.weight",
+                Role::Head,
+                cfg.vocab_size,
+                d,
+                &tok_embd,
+            )?
         } else {
-            src.get("lm_head.weight", &[cfg.vocab_size, d])?
+            let w = src.get("lm_head.weight", &[cfg.vocab_size, d])?;
+            proj("lm_head.weight", Role::Head, cfg.vocab_size, d, &w)?
         };
         Ok(Llama {
-            lm_head: Proj::new(&head, cfg.vocab_size, d)?,
+            lm_head,
             tied,
+            split,
             tok_embd,
             out_norm: src.get("model.norm.weight", &[d])?,
             blocks,
@@ -344,6 +404,14 @@ impl Llama {
 
 fn rayon_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// A split the model's sizes do not divide is a config error naming them.
+fn check_split(split: &Split, c: &LlamaConfig, path: &Path) -> Result<(), ModelError> {
+    split.check(c).map_err(|e| ModelError::Config {
+        path: path.to_path_buf(),
+        msg: e.to_string(),
+    })
 }
 
 fn validate(c: &LlamaConfig, path: &Path) -> Result<(), ModelError> {

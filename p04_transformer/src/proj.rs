@@ -12,6 +12,7 @@ use std::fmt;
 
 use crate::error::ModelError;
 use crate::model_file::GgufFile;
+use crate::split::Keep;
 
 /// Weights W (out, in) of a projection, in some format.
 pub trait LinearWeights: Send + Sync + fmt::Debug {
@@ -160,6 +161,12 @@ impl Proj {
         &*self.w
     }
 
+    /// The weights themselves, to wrap (Project 13 wraps a row-parallel
+    /// projection in the all-reduce that completes its partial sums).
+    pub fn into_weights(self) -> Box<dyn LinearWeights> {
+        self.w
+    }
+
     pub fn out_features(&self) -> usize {
         self.w.out_features()
     }
@@ -222,15 +229,16 @@ impl Proj {
 
 /// Chooses the format of each projection a GGUF loader reads.
 pub trait ProjLoader {
-    /// Tensor `name` as W (`shape` = [out, in]) in this loader's format, or
-    /// None for the f32 default. `rows`, when given, maps each row of W to
-    /// the file's row it comes from (GGUF permutes Q and K rows).
+    /// Tensor `name`, stored as W (`shape` = [out, in]), in this loader's
+    /// format, or None for the f32 default: only the part `keep` names
+    /// (its rows, in the order given, each mapped to the file's row: GGUF
+    /// permutes Q and K rows; and its columns), of shape `keep.shape()`.
     fn load(
         &self,
         f: &GgufFile,
         name: &str,
         shape: [usize; 2],
-        rows: Option<&[usize]>,
+        keep: &Keep,
     ) -> Result<Option<Proj>, ModelError>;
 }
 
@@ -244,7 +252,7 @@ impl ProjLoader for F32Weights {
         _: &GgufFile,
         _: &str,
         _: [usize; 2],
-        _: Option<&[usize]>,
+        _: &Keep,
     ) -> Result<Option<Proj>, ModelError> {
         Ok(None)
     }

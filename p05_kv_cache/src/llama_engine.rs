@@ -157,11 +157,12 @@ enum Head {
 
 impl BatchModel for LlamaEngine {
     type Workspace = LlamaWorkspace;
+    /// This process's K/V heads (a tensor-parallel rank keeps its own).
     fn kv_shape(&self) -> KvShape {
         let c = &self.model.cfg;
         KvShape {
             n_layer: c.n_layer,
-            n_kv_head: c.n_kv_head,
+            n_kv_head: self.model.part_dims().n_kv_head,
             head_dim: c.head_dim,
         }
     }
@@ -205,12 +206,16 @@ impl LlamaEngine {
             logits.len(),
             logit_rows,
         )?;
+        // This process's heads and MLP width: the whole model's, or a
+        // tensor-parallel rank's part (Project 13), whose row-parallel
+        // projections (wo, w_down) complete their partial sums themselves.
+        let part = m.part_dims();
         let (d, hd, nh, nkv, ff) = (
             c.hidden_size,
             c.head_dim,
-            c.n_head,
-            c.n_kv_head,
-            c.intermediate_size,
+            part.n_head,
+            part.n_kv_head,
+            part.intermediate_size,
         );
         let heads = Heads {
             n_head: nh,

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use common::ModelInfo;
 use p04_transformer::llama::F32Weights;
-use p04_transformer::{GgufFile, Llama, ProjLoader, Tokenizer};
+use p04_transformer::{GgufFile, Llama, ProjLoader, Split, Tokenizer};
 
 use crate::llama_engine::LlamaEngine;
 use crate::LocalModelError;
@@ -25,6 +25,16 @@ pub fn load(path: &Path) -> Result<LoadedEngine, LocalModelError> {
 /// A GGUF file's projections in the format `loader` chooses (Project 10:
 /// the file's own quantised blocks); a directory is always f32.
 pub fn load_with(path: &Path, loader: &dyn ProjLoader) -> Result<LoadedEngine, LocalModelError> {
+    load_split(path, loader, Split::whole())
+}
+
+/// [`load_with`] keeping `split`'s part of each projection (a
+/// tensor-parallel rank's, Project 13).
+pub fn load_split(
+    path: &Path,
+    loader: &dyn ProjLoader,
+    split: Split,
+) -> Result<LoadedEngine, LocalModelError> {
     let (model, tokenizer, name) = if path.is_dir() {
         let tok = path.join("tokenizer.json");
         let tokenizer = if tok.exists() {
@@ -33,7 +43,7 @@ pub fn load_with(path: &Path, loader: &dyn ProjLoader) -> Result<LoadedEngine, L
             None
         };
         (
-            Llama::from_hf_dir(path)?,
+            Llama::from_hf_dir_split(path, split)?,
             tokenizer,
             path.display().to_string(),
         )
@@ -45,7 +55,7 @@ pub fn load_with(path: &Path, loader: &dyn ProjLoader) -> Result<LoadedEngine, L
             .unwrap_or("gguf model")
             .to_string();
         (
-            Llama::from_gguf_with(&f, loader)?,
+            Llama::from_gguf_split(&f, loader, split)?,
             Some(Tokenizer::from_gguf(&f.header)?),
             name,
         )

@@ -42,6 +42,7 @@ pub mod perplexity;
 pub mod pool;
 #[cfg(feature = "bench")]
 pub mod seam_bench;
+mod select;
 #[cfg(feature = "bench")]
 pub mod study;
 pub mod tile;

@@ -9,7 +9,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use p05_kv_cache::load::LoadedEngine;
 
-use p04_transformer::{GgufFile, ModelError, Proj, ProjLoader, TensorInfo};
+use p04_transformer::{GgufFile, Keep, ModelError, Proj, ProjLoader, TensorInfo};
 
 use crate::dot::Dot;
 use crate::matrix::{Format, MatrixError, QuantMatrix};
@@ -52,7 +52,7 @@ impl ProjLoader for NativeWeights {
         f: &GgufFile,
         name: &str,
         [out, inp]: [usize; 2],
-        rows: Option<&[usize]>,
+        keep: &Keep,
     ) -> Result<Option<Proj>, ModelError> {
         let info = tensor_of_shape(f, name, [out, inp])?;
         let m = match QuantMatrix::from_gguf(info.ty, f.tensor_bytes(info), out, inp, self.dot) {
@@ -60,12 +60,20 @@ impl ProjLoader for NativeWeights {
             Err(MatrixError::Type(_)) => return Ok(None),
             Err(e) => return Err(matrix_err(f, name)(e)),
         };
-        let m = match rows {
-            Some(src) => m.permute_rows(src).map_err(matrix_err(f, name))?,
-            None => m,
-        }
-        .with_f32_rows(self.f32_rows);
-        Ok(Some(Proj::from_weights(Box::new(m))))
+        self.kept(m, keep).map_err(matrix_err(f, name))
+    }
+}
+
+impl NativeWeights {
+    /// The part `keep` names of `m`, on this loader's row threshold.
+    fn kept(&self, m: QuantMatrix, keep: &Keep) -> Result<Option<Proj>, MatrixError> {
+        let m = match keep.is_whole() {
+            true => m,
+            false => m.select(keep.rows.as_deref(), keep.cols.clone())?,
+        };
+        Ok(Some(Proj::from_weights(Box::new(
+            m.with_f32_rows(self.f32_rows),
+        ))))
     }
 }
 
@@ -111,10 +119,10 @@ impl ProjLoader for Requantize {
         f: &GgufFile,
         name: &str,
         [out, inp]: [usize; 2],
-        rows: Option<&[usize]>,
+        keep: &Keep,
     ) -> Result<Option<Proj>, ModelError> {
         if !name.starts_with("blk.") {
-            return self.weights.load(f, name, [out, inp], rows);
+            return self.weights.load(f, name, [out, inp], keep);
         }
         let info = tensor_of_shape(f, name, [out, inp])?;
         let n = out.checked_mul(inp).ok_or_else(|| ModelError::Shape {
@@ -132,12 +140,7 @@ impl ProjLoader for Requantize {
         })?;
         let m = QuantMatrix::quantize(&w, out, inp, self.format, self.weights.dot)
             .map_err(matrix_err(f, name))?;
-        let m = match rows {
-            Some(src) => m.permute_rows(src).map_err(matrix_err(f, name))?,
-            None => m,
-        }
-        .with_f32_rows(self.weights.f32_rows);
-        Ok(Some(Proj::from_weights(Box::new(m))))
+        self.weights.kept(m, keep).map_err(matrix_err(f, name))
     }
 }
 

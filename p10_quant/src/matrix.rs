@@ -116,6 +116,12 @@ pub enum MatrixError {
     Type(GgmlType),
     #[error("row permutation of length {got} for {rows} rows, or a source row out of range")]
     Permutation { rows: usize, got: usize },
+    #[error("columns {start}..{end} of a matrix {cols} wide: a part must lie inside it, on {QK}-wide block boundaries")]
+    Columns {
+        start: usize,
+        end: usize,
+        cols: usize,
+    },
     #[error("f32 product: {0}")]
     Gemm(#[from] p02_matmul_bench::GemmError),
     #[error("x has {x} values and y {y}; {m} rows need {} and {}", m * k, m * n)]
@@ -138,7 +144,7 @@ pub struct QuantMatrix {
     pub(crate) panels: Panels,
     pub(crate) dot: Dot,
     /// Products of this many rows or more take the f32 path.
-    f32_rows: usize,
+    pub(crate) f32_rows: usize,
     /// int8 per channel: row r's outputs times `row_scale[r]`.
     pub(crate) row_scale: Option<Vec<f32>>,
 }
@@ -247,36 +253,14 @@ impl QuantMatrix {
 
     /// Reorder rows: row r of the result is row `source[r]` of `self`.
     pub fn permute_rows(self, source: &[usize]) -> Result<Self, MatrixError> {
-        let bad = MatrixError::Permutation {
-            rows: self.rows,
-            got: source.len(),
-        };
-        if source.len() != self.rows || source.iter().any(|&s| s >= self.rows) {
-            return Err(bad);
+        if source.len() != self.rows {
+            return Err(MatrixError::Permutation {
+                rows: self.rows,
+                got: source.len(),
+            });
         }
-        let per = self.cols / QK;
-        fn gather<B: Copy>(b: &[B], per: usize, source: &[usize]) -> Vec<B> {
-            source
-                .iter()
-                .flat_map(|&s| &b[s * per..(s + 1) * per])
-                .copied()
-                .collect()
-        }
-        let blocks = match &self.blocks {
-            Blocks::Q4_1(b) => Blocks::Q4_1(gather(b, per, source)),
-            Blocks::Q4_0(b) => Blocks::Q4_0(gather(b, per, source)),
-            Blocks::Q8_0(b) => Blocks::Q8_0(gather(b, per, source)),
-        };
-        let row_scale = self
-            .row_scale
-            .as_ref()
-            .map(|s| source.iter().map(|&r| s[r]).collect());
-        Ok(QuantMatrix {
-            panels: panels_of(&blocks, self.rows, per),
-            blocks,
-            row_scale,
-            ..self
-        })
+        let cols = self.cols;
+        self.select(Some(source), 0..cols)
     }
 
     /// Take the f32 path from `rows` rows on (`usize::MAX`: never, so
@@ -446,7 +430,7 @@ impl QuantMatrix {
 }
 
 /// `blocks` (rows of `per`) as panels.
-fn panels_of(blocks: &Blocks, rows: usize, per: usize) -> Panels {
+pub(crate) fn panels_of(blocks: &Blocks, rows: usize, per: usize) -> Panels {
     match blocks {
         Blocks::Q4_1(b) => Panels::from_q4_1(b, rows, per),
         Blocks::Q4_0(b) => Panels::from_q4_0(b, rows, per),

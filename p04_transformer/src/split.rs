@@ -1,0 +1,336 @@
+//! What part of each weight a process keeps.
+//!
+//! One process keeps every weight whole ([`Split::whole`]). Under tensor
+//! parallelism (Project 13; Megatron-LM's split) rank r of P keeps a slice
+//! of every projection, so that the layer's work and its weights divide by
+//! P and two all-reduces per layer put the pieces back together:
+//!
+//! ```text
+//! W (out, in)      column-parallel: rank r keeps rows  r·out/P .. (r+1)·out/P
+//!                  (Q, K, V by whole heads; gate and up by MLP columns)
+//!                  row-parallel:    rank r keeps cols  r·in/P  .. (r+1)·in/P
+//!                  (O and down: each rank's output is a partial sum)
+//! ```
+//!
+//! The LM head is kept whole on every rank (replicated) or split by
+//! vocabulary rows (vocab-parallel, its logits gathered). The embedding
+//! table and the norms are always whole.
+
+use std::ops::Range;
+
+use thiserror::Error;
+
+use crate::llama::LlamaConfig;
+
+/// The LM head's part under tensor parallelism.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeadSplit {
+    /// Every rank keeps the whole head (vocab, hidden).
+    Replicated,
+    /// Rank r keeps vocabulary rows r·V/P .. (r+1)·V/P.
+    VocabParallel,
+}
+
+/// Rank `rank` of `size` tensor-parallel ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Split {
+    pub rank: usize,
+    pub size: usize,
+    pub head: HeadSplit,
+}
+
+/// A projection of a Llama block, or the LM head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+    Head,
+}
+
+/// A degree of parallelism that does not divide the model.
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+pub enum SplitError {
+    #[error("tensor-parallel rank {rank} of {size}: the rank must be below the size, and the size at least 1")]
+    Rank { rank: usize, size: usize },
+    #[error("tensor parallelism {size} does not divide {what} ({count}); the sizes that divide all of this model's are {divisors:?}")]
+    Indivisible {
+        size: usize,
+        what: &'static str,
+        count: usize,
+        divisors: Vec<usize>,
+    },
+}
+
+/// The rows and columns of a weight W (out, in) this process keeps.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Keep {
+    /// For each kept row, the row of the stored tensor it comes from, in
+    /// order (a file may store rows permuted: GGUF's Q and K); `None` keeps
+    /// every row in stored order.
+    pub rows: Option<Vec<usize>>,
+    /// The input columns kept.
+    pub cols: Range<usize>,
+    /// The stored tensor's (out, in).
+    pub full: [usize; 2],
+}
+
+impl Keep {
+    /// All of a tensor (out, in), rows in `rows`' order if given.
+    pub fn whole(full: [usize; 2], rows: Option<Vec<usize>>) -> Keep {
+        Keep {
+            rows,
+            cols: 0..full[1],
+            full,
+        }
+    }
+
+    /// (out, in) of the part kept.
+    pub fn shape(&self) -> [usize; 2] {
+        let out = self.rows.as_ref().map_or(self.full[0], Vec::len);
+        [out, self.cols.len()]
+    }
+
+    /// Whether this keeps the stored tensor as it is.
+    pub fn is_whole(&self) -> bool {
+        self.rows.is_none() && self.cols == (0..self.full[1])
+    }
+
+    /// The kept part of `w` (out, in), row-major (rows gathered, columns
+    /// sliced). `None` if `w` is not (out, in) or a row or column lies
+    /// outside it.
+    pub fn take(&self, w: &[f32]) -> Option<Vec<f32>> {
+        let [out, inp] = self.full;
+        if out.checked_mul(inp)? != w.len()
+            || self.cols.end > inp
+            || self.cols.start > self.cols.end
+        {
+            return None;
+        }
+        let all: Vec<usize>;
+        let rows = match &self.rows {
+            Some(r) => r.as_slice(),
+            None => {
+                all = (0..out).collect();
+                &all
+            }
+        };
+        let mut kept = Vec::with_capacity(rows.len().checked_mul(self.cols.len())?);
+        for &r in rows {
+            if r >= out {
+                return None;
+            }
+            kept.extend_from_slice(&w[r * inp..][self.cols.clone()]);
+        }
+        Some(kept)
+    }
+}
+
+/// Part `rank` of `count` items split into `size` equal parts.
+fn part(count: usize, rank: usize, size: usize) -> Range<usize> {
+    let each = count / size;
+    rank * each..(rank + 1) * each
+}
+
+impl Split {
+    /// One process: every weight whole.
+    pub const fn whole() -> Split {
+        Split {
+            rank: 0,
+            size: 1,
+            head: HeadSplit::Replicated,
+        }
+    }
+
+    pub fn new(rank: usize, size: usize, head: HeadSplit) -> Result<Split, SplitError> {
+        if size == 0 || rank >= size {
+            return Err(SplitError::Rank { rank, size });
+        }
+        Ok(Split { rank, size, head })
+    }
+
+    pub fn is_whole(&self) -> bool {
+        self.size == 1
+    }
+
+    /// The counts this split must divide: query heads, K/V heads, the MLP
+    /// width, and the vocabulary when the head is vocab-parallel.
+    fn counts(&self, c: &LlamaConfig) -> Vec<(&'static str, usize)> {
+        let mut counts = vec![
+            ("the query heads", c.n_head),
+            ("the K/V heads", c.n_kv_head),
+            ("the MLP width", c.intermediate_size),
+        ];
+        if self.head == HeadSplit::VocabParallel {
+            counts.push(("the vocabulary", c.vocab_size));
+        }
+        counts
+    }
+
+    /// Refuse a size that does not divide the model, naming the numbers
+    /// and the sizes that would.
+    pub fn check(&self, c: &LlamaConfig) -> Result<(), SplitError> {
+        let counts = self.counts(c);
+        let Some(&(what, count)) = counts.iter().find(|(_, n)| !n.is_multiple_of(self.size)) else {
+            return Ok(());
+        };
+        let smallest = counts.iter().map(|&(_, n)| n).min().unwrap_or(1);
+        let divisors = (1..=smallest)
+            .filter(|d| counts.iter().all(|&(_, n)| n.is_multiple_of(*d)))
+            .collect();
+        Err(SplitError::Indivisible {
+            size: self.size,
+            what,
+            count,
+            divisors,
+        })
+    }
+
+    /// What this rank keeps of `role`'s weight, stored as (out, in) with
+    /// `stored_rows` mapping each row in model order to its stored row
+    /// (None: stored in model order). The split must have passed
+    /// [`Split::check`].
+    pub fn keep(
+        &self,
+        role: Role,
+        c: &LlamaConfig,
+        full: [usize; 2],
+        stored_rows: Option<Vec<usize>>,
+    ) -> Keep {
+        let (r, p) = (self.rank, self.size);
+        let by_rows = |range: Range<usize>| {
+            let rows = match &stored_rows {
+                Some(src) => src[range].to_vec(),
+                None => range.collect(),
+            };
+            Keep {
+                rows: Some(rows),
+                cols: 0..full[1],
+                full,
+            }
+        };
+        if p == 1 {
+            return Keep::whole(full, stored_rows);
+        }
+        let hd = c.head_dim;
+        match role {
+            // Whole heads: the rows of heads r·H/P .. (r+1)·H/P.
+            Role::Q => {
+                let h = part(c.n_head, r, p);
+                by_rows(h.start * hd..h.end * hd)
+            }
+            Role::K | Role::V => {
+                let h = part(c.n_kv_head, r, p);
+                by_rows(h.start * hd..h.end * hd)
+            }
+            Role::Gate | Role::Up => by_rows(part(c.intermediate_size, r, p)),
+            Role::O => {
+                let h = part(c.n_head, r, p);
+                Keep {
+                    rows: stored_rows,
+                    cols: h.start * hd..h.end * hd,
+                    full,
+                }
+            }
+            Role::Down => Keep {
+                rows: stored_rows,
+                cols: part(c.intermediate_size, r, p),
+                full,
+            },
+            Role::Head => match self.head {
+                HeadSplit::Replicated => Keep::whole(full, stored_rows),
+                HeadSplit::VocabParallel => by_rows(part(c.vocab_size, r, p)),
+            },
+        }
+    }
+}
+
+impl Default for Split {
+    fn default() -> Split {
+        Split::whole()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn smollm2() -> LlamaConfig {
+        LlamaConfig {
+            vocab_size: 49152,
+            hidden_size: 576,
+            n_layer: 30,
+            n_head: 9,
+            n_kv_head: 3,
+            head_dim: 64,
+            intermediate_size: 1536,
+            rope_theta: 1e5,
+            rms_norm_eps: 1e-5,
+            max_seq: 8192,
+        }
+    }
+
+    #[test]
+    fn two_ranks_do_not_divide_smollm2_and_the_error_names_the_numbers() {
+        let e = Split::new(0, 2, HeadSplit::Replicated)
+            .unwrap()
+            .check(&smollm2())
+            .unwrap_err();
+        assert_eq!(
+            e,
+            SplitError::Indivisible {
+                size: 2,
+                what: "the query heads",
+                count: 9,
+                divisors: vec![1, 3],
+            }
+        );
+        assert!(Split::new(2, 3, HeadSplit::VocabParallel)
+            .unwrap()
+            .check(&smollm2())
+            .is_ok());
+        assert!(Split::new(3, 3, HeadSplit::Replicated).is_err());
+    }
+
+    #[test]
+    fn column_and_row_parallel_parts_tile_the_weight() {
+        let c = smollm2();
+        let mut q_rows = Vec::new();
+        let mut down_cols = Vec::new();
+        for r in 0..3 {
+            let s = Split::new(r, 3, HeadSplit::Replicated).unwrap();
+            let q = s.keep(Role::Q, &c, [576, 576], None);
+            assert_eq!(q.shape(), [192, 576]);
+            q_rows.extend(q.rows.unwrap());
+            let d = s.keep(Role::Down, &c, [576, 1536], None);
+            assert_eq!(d.shape(), [576, 512]);
+            down_cols.extend(d.cols);
+            assert_eq!(s.keep(Role::K, &c, [192, 576], None).shape(), [64, 576]);
+            assert!(s.keep(Role::Head, &c, [49152, 576], None).is_whole());
+        }
+        assert_eq!(q_rows, (0..576).collect::<Vec<_>>());
+        assert_eq!(down_cols, (0..1536).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn take_gathers_rows_and_slices_columns() {
+        // w (3, 4) = 0..12
+        let w: Vec<f32> = (0..12).map(|v| v as f32).collect();
+        let k = Keep {
+            rows: Some(vec![2, 0]),
+            cols: 1..3,
+            full: [3, 4],
+        };
+        assert_eq!(k.take(&w), Some(vec![9.0, 10.0, 1.0, 2.0]));
+        assert_eq!(k.take(&w[..11]), None);
+        let bad = Keep {
+            rows: Some(vec![3]),
+            ..k
+        };
+        assert_eq!(bad.take(&w), None);
+    }
+}

@@ -1,0 +1,22 @@
+//! Project 13: one model split across ranks.
+//!
+//! - [`comm`]: the `Communicator` trait (all-reduce, all-gather,
+//!   broadcast, barrier, send/recv), its one summation order and errors;
+//! - [`frame`]: the frame header and the hello each new link starts with;
+//! - [`mesh`]: the collectives, written once over a transport (direct and
+//!   ring all-reduce);
+//! - [`threads`]: ranks as threads (the reference); [`tcp`]: ranks as
+//!   processes or hosts;
+//! - [`tp`]: a Llama split by tensor parallelism: each rank's slice of
+//!   the weights and K/V heads, its row-parallel projections completed by
+//!   an all-reduce.
+
+pub mod comm;
+pub mod frame;
+pub mod mesh;
+pub mod tcp;
+pub mod threads;
+pub mod tp;
+
+pub use comm::{CommError, CommStats, Communicator};
+pub use mesh::{Algorithm, Mesh};
