@@ -285,3 +285,59 @@ fn fused_groups_equal_their_members_products() {
         assert!(Proj::apply_group(&[&pa, &pb], &x, m, &mut [&mut y], 2).is_err());
     }
 }
+
+/// A tensor-parallel rank's part: selected rows give exactly the whole
+/// product's columns of those rows; column parts (on block boundaries)
+/// are products of those input columns alone, whose sum is the whole
+/// product up to the order of the float additions; a part off the block
+/// grid is refused.
+#[test]
+fn selected_rows_and_columns_are_parts_of_the_whole_product() {
+    let mut rng = Rng::new(11);
+    let pool = Pool::new(1, std::time::Duration::from_micros(100));
+    let (n, k, m) = (37, 128, 3);
+    let w = random(&mut rng, n * k, 0.5);
+    let x = random(&mut rng, m * k, 2.0);
+    let dot = Dot::detect();
+    for format in [Format::Q4_1, Format::Q8_0] {
+        let whole = QuantMatrix::quantize(&w, n, k, format, dot).unwrap();
+        let mut want = vec![0.0f32; m * n];
+        whole.matmul_int(&x, m, &mut want, &pool, 1).unwrap();
+        let rows = [5usize, 0, 36, 17];
+        let part = QuantMatrix::quantize(&w, n, k, format, dot)
+            .unwrap()
+            .select(Some(&rows), 0..k)
+            .unwrap();
+        let mut y = vec![0.0f32; m * rows.len()];
+        part.matmul_int(&x, m, &mut y, &pool, 1).unwrap();
+        for i in 0..m {
+            for (j, &r) in rows.iter().enumerate() {
+                assert_eq!(y[i * rows.len() + j], want[i * n + r], "{format:?}");
+            }
+        }
+        let mut sum = vec![0.0f32; m * n];
+        for cols in [0..32, 32..96, 96..128] {
+            let part = QuantMatrix::quantize(&w, n, k, format, dot)
+                .unwrap()
+                .select(None, cols.clone())
+                .unwrap();
+            let xs: Vec<f32> = (0..m)
+                .flat_map(|i| x[i * k..][cols.clone()].to_vec())
+                .collect();
+            let mut y = vec![0.0f32; m * n];
+            part.matmul_int(&xs, m, &mut y, &pool, 1).unwrap();
+            sum.iter_mut().zip(&y).for_each(|(s, y)| *s += y);
+        }
+        for (a, b) in sum.iter().zip(&want) {
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                "{format:?}: {a} vs {b}"
+            );
+        }
+        let again = QuantMatrix::quantize(&w, n, k, format, dot).unwrap();
+        assert!(matches!(
+            again.select(None, 16..48),
+            Err(MatrixError::Columns { .. })
+        ));
+    }
+}
