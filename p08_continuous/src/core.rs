@@ -164,7 +164,7 @@ pub struct EngineCore<'a, B: KvBackend, R: ModelRunner, C = ()> {
 
 /// The core with its model in this process.
 pub type LocalCore<'a, M, B = ContiguousKv, C = ()> =
-    EngineCore<'a, B, LocalRunner<'a, M, <B as KvBackend>::Storage>, C>;
+    EngineCore<'a, B, LocalRunner<&'a M, <B as KvBackend>::Storage>, C>;
 
 impl<B: KvBackend, R: ModelRunner, C> std::fmt::Debug for EngineCore<'_, B, R, C> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -176,7 +176,7 @@ impl<B: KvBackend, R: ModelRunner, C> std::fmt::Debug for EngineCore<'_, B, R, C
     }
 }
 
-impl<'a, M: BatchModel, C> EngineCore<'a, ContiguousKv, LocalRunner<'a, M, ContiguousStorage>, C> {
+impl<'a, M: BatchModel, C> EngineCore<'a, ContiguousKv, LocalRunner<&'a M, ContiguousStorage>, C> {
     /// Project 08's core: contiguous caches within `config.kv_cache_bytes`.
     pub fn new(
         model: &'a M,
@@ -188,7 +188,7 @@ impl<'a, M: BatchModel, C> EngineCore<'a, ContiguousKv, LocalRunner<'a, M, Conti
     }
 }
 
-impl<'a, M: BatchModel, B: KvBackend, C> EngineCore<'a, B, LocalRunner<'a, M, B::Storage>, C> {
+impl<'a, M: BatchModel, B: KvBackend, C> EngineCore<'a, B, LocalRunner<&'a M, B::Storage>, C> {
     /// A core on any K/V bookkeeping (Project 09 brings paged blocks), with
     /// an in-process runner on a storage of its layout.
     pub fn with_backend(

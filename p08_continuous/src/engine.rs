@@ -22,6 +22,7 @@ use common::batch::BatchModel;
 use common::engine::{
     Engine, EngineError, EngineEvent, EngineLoad, EngineRequest, EngineStream, Finish,
 };
+use common::ModelInfo;
 use p04_transformer::Tokenizer;
 use p05_kv_cache::generate::GenerateParams;
 use p06_server::front::{EngineFront, QueueLimits};
@@ -31,9 +32,9 @@ use p06_server::serial::{engine_error, token_out};
 use p06_server::StartError;
 use tokio::sync::mpsc;
 
-use crate::core::{AddError, ContinuousConfig, EngineCore, LocalCore, NewRequest, StepOutput};
+use crate::core::{AddError, ContinuousConfig, EngineCore, NewRequest, StepOutput};
 use crate::kv_backend::{ContiguousKv, KvBackend};
-use crate::runner::ModelRunner;
+use crate::runner::{LocalRunner, ModelRunner};
 use crate::scheduler::{Scheduler, SchedulerError, SeqId};
 use crate::stats::StepStats;
 
@@ -89,10 +90,32 @@ impl ContinuousEngine {
         M: BatchModel + 'static,
         B: KvBackend + Send + 'static,
     {
+        let info = model.info().clone();
+        ContinuousEngine::start_with_runner(&info, tokenizer, name, config, kv, move |storage| {
+            LocalRunner::new(model, storage)
+        })
+    }
+
+    /// The same with any model runner (Project 13's, which has every rank
+    /// run each step's plan), made on the model thread by `make_runner`
+    /// from a storage of the backend's layout.
+    pub fn start_with_runner<B, R, F>(
+        info: &ModelInfo,
+        tokenizer: Arc<Tokenizer>,
+        name: &str,
+        config: ContinuousConfig,
+        kv: B,
+        make_runner: F,
+    ) -> Result<ContinuousEngine, StartError>
+    where
+        B: KvBackend + Send + 'static,
+        R: ModelRunner,
+        F: FnOnce(B::Storage) -> R + Send + 'static,
+    {
         // Fail here, not on the thread, when the knobs are inconsistent.
         Scheduler::<()>::check(&config.scheduler_config())
             .map_err(|e| StartError::Config(Box::new(e)))?;
-        let input = InputProcessor::new(tokenizer.clone(), model.info())?;
+        let input = InputProcessor::new(tokenizer.clone(), info)?;
         let shared = Arc::new(Shared::default());
         shared
             .stats
@@ -105,8 +128,13 @@ impl ContinuousEngine {
             per_unit: config.max_num_seqs,
         };
         let thread_shared = shared.clone();
+        let info = info.clone();
         let front = EngineFront::start(name, input, limits, shared.gauges.clone(), move |rx| {
-            model_thread(&*model, &tokenizer, kv, &rx, &thread_shared, &config)
+            let runner = make_runner(kv.new_storage());
+            let Ok(core) = EngineCore::with_runner(&info, &tokenizer, &config, kv, runner) else {
+                return; // checked above
+            };
+            model_thread(core, &tokenizer, &rx, &thread_shared)
         })?;
         Ok(ContinuousEngine { front, shared })
     }
@@ -176,17 +204,12 @@ struct Client {
     running: bool,
 }
 
-fn model_thread<M: BatchModel, B: KvBackend>(
-    model: &M,
+fn model_thread<B: KvBackend, R: ModelRunner>(
+    mut core: EngineCore<'_, B, R, Client>,
     tok: &Tokenizer,
-    kv: B,
     queue: &std_mpsc::Receiver<Job>,
     shared: &Shared,
-    config: &ContinuousConfig,
 ) {
-    let Ok(mut core) = LocalCore::<M, B, Client>::with_backend(model, tok, config, kv) else {
-        return; // checked in `start`
-    };
     let mut next_id: SeqId = 0;
     let gauges = &shared.gauges;
     loop {

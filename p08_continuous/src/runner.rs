@@ -21,6 +21,8 @@
 //! plan's tokens fed straight into the batched step (no copy of K/V or
 //! activations).
 
+use std::ops::Deref;
+
 use common::batch::{Batch, BatchError, BatchModel, KvStore};
 use thiserror::Error;
 
@@ -144,15 +146,17 @@ pub trait KvStorage: Send {
     fn import(&mut self, id: SeqId, kv: &SeqKv, buf: &KvBuffer) -> Result<(), Self::Error>;
 }
 
-/// The in-process runner: a model and its storage in this process.
-pub struct LocalRunner<'a, M: BatchModel, S: KvStorage> {
-    model: &'a M,
+/// The in-process runner: a model and its storage in this process. `P`
+/// is how it holds the model: borrowed (`&M`, the engines' own) or shared
+/// (`Arc<M>`, a runner that outlives its maker's scope, such as a rank's).
+pub struct LocalRunner<P: Deref<Target: BatchModel>, S: KvStorage> {
+    model: P,
     storage: S,
-    workspace: M::Workspace,
+    workspace: <P::Target as BatchModel>::Workspace,
     batch: Batch,
 }
 
-impl<M: BatchModel, S: KvStorage> std::fmt::Debug for LocalRunner<'_, M, S> {
+impl<P: Deref<Target: BatchModel>, S: KvStorage> std::fmt::Debug for LocalRunner<P, S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LocalRunner")
             .field("layout", &self.storage.layout())
@@ -160,12 +164,13 @@ impl<M: BatchModel, S: KvStorage> std::fmt::Debug for LocalRunner<'_, M, S> {
     }
 }
 
-impl<'a, M: BatchModel, S: KvStorage> LocalRunner<'a, M, S> {
-    pub fn new(model: &'a M, storage: S) -> Self {
+impl<P: Deref<Target: BatchModel>, S: KvStorage> LocalRunner<P, S> {
+    pub fn new(model: P, storage: S) -> Self {
+        let workspace = model.new_workspace();
         LocalRunner {
             model,
             storage,
-            workspace: model.new_workspace(),
+            workspace,
             batch: Batch::new(),
         }
     }
@@ -175,7 +180,7 @@ fn storage_err<E: std::error::Error + Send + Sync + 'static>(e: E) -> RunnerErro
     RunnerError::Storage(Box::new(e))
 }
 
-impl<M: BatchModel, S: KvStorage> ModelRunner for LocalRunner<'_, M, S> {
+impl<P: Deref<Target: BatchModel>, S: KvStorage> ModelRunner for LocalRunner<P, S> {
     fn execute(&mut self, plan: &StepPlan, logits: &mut Vec<f32>) -> Result<(), RunnerError> {
         self.apply(&plan.ops)?;
         self.batch.clear();
@@ -185,7 +190,7 @@ impl<M: BatchModel, S: KvStorage> ModelRunner for LocalRunner<'_, M, S> {
         // The batched step gives every sequence's row; the rows not asked
         // for (prompt chunks that do not end their prompt) are squeezed
         // out in place after it.
-        let vocab = self.model.info().vocab_size;
+        let vocab = common::Model::info(&*self.model).vocab_size;
         logits.resize(plan.seqs.len() * vocab, 0.0);
         let mut stores = self.storage.stores(&plan.seqs).map_err(storage_err)?;
         let mut refs: Vec<&mut S::Store<'_>> = stores.iter_mut().collect();

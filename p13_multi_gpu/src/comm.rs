@@ -127,6 +127,17 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     /// is resized).
     fn broadcast(&self, root: usize, bytes: &mut Vec<u8>) -> Result<(), CommError>;
 
+    /// [`Communicator::broadcast`] with its own wait in place of the
+    /// deadline (`None`: as long as the link lives): a rank waiting for
+    /// rank 0's next command waits while the server is idle, and still
+    /// hears at once when rank 0's link breaks.
+    fn broadcast_wait(
+        &self,
+        root: usize,
+        bytes: &mut Vec<u8>,
+        wait: Option<Duration>,
+    ) -> Result<(), CommError>;
+
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<(), CommError>;
 

@@ -11,9 +11,13 @@
 //!   the weights and K/V heads, its row-parallel projections completed by
 //!   an all-reduce.
 
+#[cfg(feature = "bench")]
+pub mod bench;
 pub mod comm;
 pub mod frame;
 pub mod mesh;
+pub mod runner;
+pub mod serve;
 pub mod tcp;
 pub mod threads;
 pub mod tp;

@@ -335,6 +335,15 @@ impl<T: Transport> Communicator for Mesh<T> {
     }
 
     fn broadcast(&self, root: usize, bytes: &mut Vec<u8>) -> Result<(), CommError> {
+        self.broadcast_wait(root, bytes, Some(self.deadline))
+    }
+
+    fn broadcast_wait(
+        &self,
+        root: usize,
+        bytes: &mut Vec<u8>,
+        wait: Option<Duration>,
+    ) -> Result<(), CommError> {
         let (rank, world) = (self.rank, self.world);
         if root >= world {
             return Err(self.usage(format!("broadcast from rank {root} in a world of {world}")));
@@ -347,8 +356,9 @@ impl<T: Transport> Communicator for Mesh<T> {
         } else {
             0
         };
-        self.call(out, |st, deadline| {
+        self.call(out, |st, _| {
             let seq = st.next_seq();
+            let deadline = wait.unwrap_or(Duration::MAX);
             if rank == root {
                 let sends: Vec<Outgoing<'_>> = self
                     .peers()

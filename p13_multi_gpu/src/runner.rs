@@ -1,0 +1,135 @@
+//! The tensor-parallel runner: rank 0's engine core (scheduler, block
+//! manager, sampling; Projects 08–09) makes each step's plan; its runner
+//! broadcasts the plan to every rank, then every rank, rank 0 included,
+//! runs it on its own slice of the weights and its own K/V heads. The
+//! ranks' collectives inside the forward keep them in step; only rank 0
+//! reads the logits.
+//!
+//! ```text
+//! rank 0:  schedule → plan ─broadcast─▶ execute(plan) ─┐ sample, stream
+//! rank r:            wait ◀────────────  execute(plan) ─┘ (all-reduces inside)
+//! ```
+//!
+//! A command is one byte, then its body: 1 = a step's plan (Project 08's
+//! binary encoding), 2 = stop.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use p08_continuous::kv_transfer::{KvBuffer, KvLayout};
+use p08_continuous::runner::{KvOp, RunnerError, SeqKv};
+use p08_continuous::scheduler::SeqId;
+use p08_continuous::{ModelRunner, StepPlan};
+use thiserror::Error;
+
+use crate::comm::{CommError, Communicator};
+
+const STEP: u8 = 1;
+const STOP: u8 = 2;
+
+#[derive(Debug, Error)]
+pub enum RankError {
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    #[error("rank 0 sent a command this rank cannot read: {0}")]
+    Command(String),
+    #[error(transparent)]
+    Runner(#[from] RunnerError),
+}
+
+/// Rank 0's runner: broadcast, then run its own slice.
+#[derive(Debug)]
+pub struct TpRunner<R: ModelRunner> {
+    local: R,
+    comm: Arc<dyn Communicator>,
+    msg: Vec<u8>,
+}
+
+impl<R: ModelRunner> TpRunner<R> {
+    pub fn new(local: R, comm: Arc<dyn Communicator>) -> TpRunner<R> {
+        TpRunner {
+            local,
+            comm,
+            msg: Vec::new(),
+        }
+    }
+
+    fn send(&mut self, plan: &StepPlan) -> Result<(), RunnerError> {
+        self.msg.clear();
+        self.msg.push(STEP);
+        plan.encode_into(&mut self.msg)
+            .map_err(|e| RunnerError::Model(Box::new(e)))?;
+        self.comm
+            .broadcast(0, &mut self.msg)
+            .map_err(|e| RunnerError::Model(Box::new(e)))
+    }
+}
+
+impl<R: ModelRunner> ModelRunner for TpRunner<R> {
+    fn execute(&mut self, plan: &StepPlan, logits: &mut Vec<f32>) -> Result<(), RunnerError> {
+        self.send(plan)?;
+        self.local.execute(plan, logits)
+    }
+
+    fn apply(&mut self, ops: &[KvOp]) -> Result<(), RunnerError> {
+        // A plan of operations and no sequences.
+        let plan = StepPlan {
+            ops: ops.to_vec(),
+            ..StepPlan::default()
+        };
+        self.send(&plan)?;
+        self.local.apply(ops)
+    }
+
+    fn layout(&self) -> KvLayout {
+        self.local.layout()
+    }
+
+    fn export_kv(&mut self, _: SeqId, _: &SeqKv, _: usize) -> Result<KvBuffer, RunnerError> {
+        Err(RunnerError::Storage(
+            "exporting K/V held across tensor-parallel ranks is not supported".into(),
+        ))
+    }
+
+    fn import_kv(&mut self, _: SeqId, _: &SeqKv, _: &KvBuffer) -> Result<(), RunnerError> {
+        Err(RunnerError::Storage(
+            "importing K/V into tensor-parallel ranks is not supported".into(),
+        ))
+    }
+}
+
+impl<R: ModelRunner> Drop for TpRunner<R> {
+    /// The other ranks' loops end with rank 0's runner.
+    fn drop(&mut self) {
+        let mut stop = vec![STOP];
+        let _ = self.comm.broadcast(0, &mut stop);
+    }
+}
+
+/// A rank other than 0: run every plan rank 0 broadcasts until it says
+/// stop (Ok) or its link breaks (the error). Waits as long as the server
+/// is idle; a dead rank 0 ends the wait at once.
+pub fn follow<R: ModelRunner>(comm: &dyn Communicator, local: &mut R) -> Result<(), RankError> {
+    let (mut msg, mut logits) = (Vec::new(), Vec::new());
+    loop {
+        comm.broadcast_wait(0, &mut msg, None::<Duration>)?;
+        match msg.split_first() {
+            Some((&STEP, body)) => {
+                let plan = StepPlan::decode(body).map_err(|e| RankError::Command(e.to_string()))?;
+                if plan.seqs.is_empty() {
+                    local.apply(&plan.ops)?;
+                } else {
+                    local.execute(&plan, &mut logits)?;
+                }
+            }
+            Some((&STOP, _)) => return Ok(()),
+            _ => {
+                return Err(RankError::Command(format!(
+                    "{} bytes, tag {:?}",
+                    msg.len(),
+                    msg.first()
+                )))
+            }
+        }
+    }
+}

@@ -1,0 +1,307 @@
+//! The tensor-parallel server: rank 0 serves the OpenAI API (Project 06)
+//! on Project 08/09's scheduler and paged block manager, and every step
+//! runs on all ranks ([`crate::runner`]).
+//!
+//! ```text
+//! p13_multi_gpu serve --tp 3          rank 0; starts ranks 1 and 2 as child processes
+//! p13_multi_gpu serve --tp 3 --peers A0,A1,A2 --token T
+//!                                      rank 0 of ranks started elsewhere, each with
+//! p13_multi_gpu rank --rank r --peers A0,A1,A2 --token T --model FILE
+//! ```
+//!
+//! Every rank first joins the others (a TCP connection per pair, a
+//! handshake that checks the job token and a hash of the model file and
+//! the split), then loads its slice, then waits at a barrier; rank 0 then
+//! serves, the others follow its plans until it stops or its link breaks.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use common::batch::BatchModel;
+use p04_transformer::HeadSplit;
+use p08_continuous::kv_backend::KvBackend;
+use p08_continuous::{ContinuousEngine, LocalRunner};
+use p09_kv_manager::serve::ServeArgs;
+use p09_kv_manager::PagedKv;
+
+use crate::frame::{Hello, PROTOCOL_VERSION};
+use crate::mesh::{Algorithm, Mesh};
+use crate::runner::{follow, TpRunner};
+use crate::tcp::{self, TcpLinks};
+use crate::tp::{load_rank, Weights};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum WeightsArg {
+    F32,
+    Native,
+}
+
+impl From<WeightsArg> for Weights {
+    fn from(w: WeightsArg) -> Weights {
+        match w {
+            WeightsArg::F32 => Weights::F32,
+            WeightsArg::Native => Weights::Native,
+        }
+    }
+}
+
+/// What every rank must agree on.
+#[derive(Clone, Debug, Args)]
+pub struct SplitArgs {
+    /// Tensor-parallel ranks (must divide the query heads, the K/V heads
+    /// and the MLP width: 1 or 3 for SmolLM2).
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    #[arg(long, value_enum, default_value = "native")]
+    pub weights: WeightsArg,
+    /// Split the LM head by vocabulary rows (logits all-gathered) instead
+    /// of every rank holding all of it.
+    #[arg(long)]
+    pub vocab_parallel_head: bool,
+    /// Threads per rank for its products (1: a core per rank).
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
+    /// Seconds a rank waits for another inside a collective before it
+    /// calls it dead.
+    #[arg(long, default_value_t = 60)]
+    pub collective_timeout_s: u64,
+    /// Every rank's address, rank 0's first (`host:port,host:port,...`);
+    /// without it, `serve` starts the other ranks itself on loopback.
+    #[arg(long, value_delimiter = ',')]
+    pub peers: Vec<SocketAddr>,
+    /// The job's token: ranks with another refuse to join.
+    #[arg(long)]
+    pub token: Option<u64>,
+}
+
+#[derive(Clone, Debug, Args)]
+pub struct TpServeArgs {
+    #[command(flatten)]
+    pub serve: ServeArgs,
+    #[command(flatten)]
+    pub split: SplitArgs,
+}
+
+/// A rank other than 0.
+#[derive(Clone, Debug, Args)]
+pub struct RankArgs {
+    #[arg(long)]
+    pub rank: usize,
+    /// A .gguf file or an HF Llama directory (the same as rank 0's).
+    #[arg(long)]
+    pub model: PathBuf,
+    #[command(flatten)]
+    pub split: SplitArgs,
+    /// Rank 0's block size and K/V budget (the storage must match its).
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    #[arg(long)]
+    pub kv_cache_mib: usize,
+}
+
+impl SplitArgs {
+    fn head(&self) -> HeadSplit {
+        match self.vocab_parallel_head {
+            true => HeadSplit::VocabParallel,
+            false => HeadSplit::Replicated,
+        }
+    }
+
+    fn deadline(&self) -> Duration {
+        Duration::from_secs(self.collective_timeout_s.max(1))
+    }
+
+    /// A hash of the model file (its size and first MiB: the GGUF header
+    /// and metadata) and of everything that shapes a rank's slice and K/V.
+    fn layout_hash(&self, model: &Path, block_size: usize, kv_mib: usize) -> Result<u64> {
+        use std::io::Read;
+        let mut text = format!(
+            "tp {} {:?} {:?} block {block_size} kv {kv_mib}",
+            self.tp,
+            self.weights,
+            self.head()
+        );
+        if model.is_file() {
+            let f = std::fs::File::open(model).with_context(|| format!("{}", model.display()))?;
+            let len = f.metadata()?.len();
+            let mut head = Vec::new();
+            f.take(1 << 20).read_to_end(&mut head)?;
+            text.push_str(&format!(
+                " file {len} {:016x}",
+                xxhash_rust::xxh3::xxh3_64(&head)
+            ));
+        } else {
+            text.push_str(&format!(" dir {}", model.display()));
+        }
+        Ok(xxhash_rust::xxh3::xxh3_64(text.as_bytes()))
+    }
+
+    /// Join the other ranks as `rank`, within two minutes (they may still
+    /// be starting).
+    fn join(&self, rank: usize, listener: &TcpListener, layout: u64) -> Result<Mesh<TcpLinks>> {
+        let hello = Hello {
+            version: PROTOCOL_VERSION,
+            world: self.tp as u32,
+            rank: rank as u32,
+            token: self.token.unwrap_or(0),
+            layout,
+        };
+        let links = tcp::connect(listener, &self.peers, hello, Duration::from_secs(120))
+            .with_context(|| format!("rank {rank} joining {:?}", self.peers))?;
+        Ok(Mesh::new(links, self.deadline(), Algorithm::default()))
+    }
+}
+
+/// Rank 0: start (or join) the other ranks, load its slice, serve.
+pub async fn serve(mut a: TpServeArgs) -> Result<()> {
+    if a.split.tp == 0 {
+        bail!("--tp must be at least 1");
+    }
+    let config = a.serve.sched.config();
+    let paged = a.serve.paged.clone();
+    let kv_mib = a.serve.sched.kv_cache_mib;
+    // Rank 0's own listener is bound now (its port is in every rank's
+    // list); without --peers it picks the other ranks' ports too.
+    let spawn = a.split.peers.is_empty();
+    let listener = if spawn {
+        let ls = (0..a.split.tp)
+            .map(|_| TcpListener::bind("127.0.0.1:0"))
+            .collect::<std::io::Result<Vec<_>>>()?;
+        a.split.peers = ls
+            .iter()
+            .map(|l| l.local_addr())
+            .collect::<std::io::Result<_>>()?;
+        a.split.token.get_or_insert_with(job_token);
+        ls.into_iter().next().expect("tp >= 1")
+    } else if a.split.peers.len() != a.split.tp {
+        bail!(
+            "--peers names {} ranks for --tp {}",
+            a.split.peers.len(),
+            a.split.tp
+        );
+    } else {
+        TcpListener::bind(a.split.peers[0])
+            .with_context(|| format!("binding rank 0's address {}", a.split.peers[0]))?
+    };
+    let split = a.split.clone();
+    p06_server::server::serve_model(&a.serve.listen, move |path, name| {
+        let layout = split.layout_hash(path, paged.block_size, kv_mib)?;
+        if spawn && split.tp > 1 {
+            start_ranks(&split, path, paged.block_size, kv_mib)?;
+        }
+        let comm = Arc::new(split.join(0, &listener, layout)?);
+        let loaded = load_rank(
+            path,
+            split.weights.into(),
+            split.head(),
+            comm.clone(),
+            split.threads,
+        )
+        .with_context(|| format!("rank 0 loading {}", path.display()))?;
+        let (engine, tokenizer) = p06_server::load::with_tokenizer(path, loaded)?;
+        let kv = PagedKv::new(
+            engine.kv_shape(),
+            paged.block_size,
+            config.kv_cache_bytes,
+            !paged.no_prefix_caching,
+        )?;
+        crate::comm::Communicator::barrier(&*comm).context("waiting for every rank to load")?;
+        let info = common::Model::info(&engine).clone();
+        let engine = Arc::new(engine);
+        let engine = ContinuousEngine::start_with_runner(
+            &info,
+            Arc::new(tokenizer),
+            name,
+            config,
+            kv,
+            move |storage| TpRunner::new(LocalRunner::new(engine, storage), comm),
+        )?;
+        Ok(Arc::new(engine))
+    })
+    .await
+}
+
+/// A token no other job on this host picks (time and process id).
+fn job_token() -> u64 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    xxhash_rust::xxh3::xxh3_64(
+        &[t.to_le_bytes(), u64::from(std::process::id()).to_le_bytes()].concat(),
+    )
+}
+
+/// Ranks 1.. as child processes of this one.
+fn start_ranks(split: &SplitArgs, model: &Path, block_size: usize, kv_mib: usize) -> Result<()> {
+    let exe = std::env::current_exe().context("finding this program to start the ranks")?;
+    let peers: Vec<String> = split.peers.iter().map(|p| p.to_string()).collect();
+    for rank in 1..split.tp {
+        let mut cmd = std::process::Command::new(&exe);
+        cmd.arg("rank")
+            .args(["--rank", &rank.to_string()])
+            .arg("--model")
+            .arg(model)
+            .args(["--tp", &split.tp.to_string()])
+            .args(["--weights", &format!("{:?}", split.weights).to_lowercase()])
+            .args(["--threads", &split.threads.to_string()])
+            .args([
+                "--collective-timeout-s",
+                &split.collective_timeout_s.to_string(),
+            ])
+            .args(["--peers", &peers.join(",")])
+            .args(["--token", &split.token.unwrap_or(0).to_string()])
+            .args(["--block-size", &block_size.to_string()])
+            .args(["--kv-cache-mib", &kv_mib.to_string()]);
+        if split.vocab_parallel_head {
+            cmd.arg("--vocab-parallel-head");
+        }
+        cmd.spawn()
+            .with_context(|| format!("starting rank {rank} ({})", exe.display()))?;
+    }
+    Ok(())
+}
+
+/// A rank other than 0: join, load, follow rank 0's plans.
+pub fn rank(a: RankArgs) -> Result<()> {
+    // A rank started by rank 0 goes when it goes.
+    // SAFETY: prctl(PR_SET_PDEATHSIG) takes a signal number and changes
+    // only this process's own death signal.
+    unsafe {
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+    }
+    let s = &a.split;
+    if a.rank == 0 || a.rank >= s.tp || s.peers.len() != s.tp {
+        bail!(
+            "rank {} of --tp {} with {} --peers",
+            a.rank,
+            s.tp,
+            s.peers.len()
+        );
+    }
+    let listener = TcpListener::bind(s.peers[a.rank])
+        .with_context(|| format!("rank {} binding {}", a.rank, s.peers[a.rank]))?;
+    let layout = s.layout_hash(&a.model, a.block_size, a.kv_cache_mib)?;
+    let comm = Arc::new(s.join(a.rank, &listener, layout)?);
+    let loaded = load_rank(
+        &a.model,
+        s.weights.into(),
+        s.head(),
+        comm.clone(),
+        s.threads,
+    )
+    .with_context(|| format!("rank {} loading {}", a.rank, a.model.display()))?;
+    let kv = PagedKv::new(
+        loaded.engine.kv_shape(),
+        a.block_size,
+        a.kv_cache_mib.saturating_mul(1 << 20),
+        false,
+    )?;
+    let mut runner = LocalRunner::new(&loaded.engine, kv.new_storage());
+    crate::comm::Communicator::barrier(&*comm).context("waiting for every rank to load")?;
+    follow(&*comm, &mut runner).with_context(|| format!("rank {}", a.rank))?;
+    Ok(())
+}
