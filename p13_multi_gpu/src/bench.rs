@@ -1,6 +1,6 @@
 //! `bench-allreduce`: all-reduce latency and bandwidth from 4 B to 64 MiB,
-//! three ranks, over threads and TCP (ranks as threads of this process on
-//! loopback), beside torch's gloo backend (three processes, the same
+//! three ranks, over threads, shared memory and TCP (ranks as threads of
+//! this process; TCP on loopback), beside torch's gloo backend (three processes, the same
 //! sizes) in the same run, rounds interleaved (ours, gloo, ours, gloo…).
 
 use std::path::PathBuf;
@@ -12,8 +12,8 @@ use clap::Args;
 use common::numbers::{command_line, Recorder, Row};
 use common::stats::summarize;
 
-use crate::mesh::{Algorithm, Mesh, Transport};
-use crate::{tcp, threads, Communicator};
+use crate::mesh::Algorithm;
+use crate::{shm, tcp, threads, Communicator};
 
 #[derive(Clone, Debug, Args)]
 pub struct AllReduceArgs {
@@ -40,7 +40,7 @@ pub const SIZES: [usize; 6] = [4, 2304, 36_864, 1 << 20, 16 << 20, 64 << 20];
 
 /// Seconds per all-reduce of `bytes` on rank 0: each sample times enough
 /// back-to-back calls to last ~20 ms.
-fn time_world<T: Transport>(comms: &[Mesh<T>], bytes: usize, samples: usize) -> Vec<f64> {
+fn time_world<C: Communicator>(comms: &[C], bytes: usize, samples: usize) -> Vec<f64> {
     let n = bytes / 4;
     let reps = (20_000_000 / (bytes + 20_000)).clamp(1, 2000);
     std::thread::scope(|s| {
@@ -115,20 +115,22 @@ fn gloo(a: &AllReduceArgs) -> Result<Vec<Vec<f64>>> {
 
 pub fn all_reduce(a: &AllReduceArgs) -> Result<()> {
     let deadline = Duration::from_secs(60);
-    let names = ["threads", "tcp", "gloo"];
+    let names = ["threads", "shm", "tcp", "gloo"];
     // samples[backend][size]
     let mut samples = vec![vec![Vec::<f64>::new(); SIZES.len()]; names.len()];
     for round in 0..a.rounds {
         eprintln!("round {} of {}", round + 1, a.rounds);
         let t = threads::group(a.world, deadline, Algorithm::default());
+        let m = shm::group(a.world, deadline)?;
         let c = tcp::loopback_group(a.world, deadline, Algorithm::default())?;
         for (i, &bytes) in SIZES.iter().enumerate() {
             samples[0][i].extend(time_world(&t, bytes, a.samples));
-            samples[1][i].extend(time_world(&c, bytes, a.samples));
+            samples[1][i].extend(time_world(&m, bytes, a.samples));
+            samples[2][i].extend(time_world(&c, bytes, a.samples));
         }
-        drop((t, c));
+        drop((t, m, c));
         for (i, s) in gloo(a)?.into_iter().enumerate() {
-            samples[2][i].extend(s);
+            samples[3][i].extend(s);
         }
     }
     let mut rows = Vec::new();
@@ -146,7 +148,7 @@ pub fn all_reduce(a: &AllReduceArgs) -> Result<()> {
             );
             let metric = format!("all-reduce {name}, {} ranks, {bytes} B, latency", a.world);
             let prediction = match (*name, bytes) {
-                ("threads", 2304) => "≤ 10 µs (two channel hops)",
+                ("shm", 2304) => "≤ 10 µs (two spins on shared words)",
                 ("tcp", 2304) => "≤ gloo's median (one round of messages)",
                 _ => "",
             };

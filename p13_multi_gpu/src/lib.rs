@@ -6,7 +6,7 @@
 //! - [`mesh`]: the collectives, written once over a transport (direct and
 //!   ring all-reduce);
 //! - [`threads`]: ranks as threads (the reference); [`tcp`]: ranks as
-//!   processes or hosts;
+//!   processes or hosts; [`shm`]: ranks on one host over shared memory;
 //! - [`tp`]: a Llama split by tensor parallelism: each rank's slice of
 //!   the weights and K/V heads, its row-parallel projections completed by
 //!   an all-reduce.
@@ -18,6 +18,7 @@ pub mod frame;
 pub mod mesh;
 pub mod runner;
 pub mod serve;
+pub mod shm;
 pub mod tcp;
 pub mod threads;
 pub mod tp;

@@ -10,15 +10,12 @@ use common::rng::Rng;
 use p13_multi_gpu::comm::{chunk, reference_sum, CommError, Communicator};
 use p13_multi_gpu::frame::{Hello, PROTOCOL_VERSION};
 use p13_multi_gpu::mesh::{Algorithm, Mesh, Transport};
-use p13_multi_gpu::{tcp, threads};
+use p13_multi_gpu::{shm, tcp, threads};
 
 const DEADLINE: Duration = Duration::from_secs(2);
 
 /// Run `f` on every rank at once, results in rank order.
-fn on_every_rank<T: Transport, R: Send>(
-    comms: &[Mesh<T>],
-    f: impl Fn(&Mesh<T>) -> R + Sync,
-) -> Vec<R> {
+fn on_every_rank<C: Communicator, R: Send>(comms: &[C], f: impl Fn(&C) -> R + Sync) -> Vec<R> {
     std::thread::scope(|s| {
         let joins: Vec<_> = comms.iter().map(|c| s.spawn(|| f(c))).collect();
         joins.into_iter().map(|j| j.join().unwrap()).collect()
@@ -36,7 +33,7 @@ fn data(rank: usize, n: usize) -> Vec<f32> {
         .collect()
 }
 
-fn check_all_reduce<T: Transport>(comms: &[Mesh<T>], n: usize, what: &str) {
+fn check_all_reduce<C: Communicator>(comms: &[C], n: usize, what: &str) {
     let world = comms.len();
     let inputs: Vec<Vec<f32>> = (0..world).map(|r| data(r, n)).collect();
     let mut want = vec![0.0f32; n];
@@ -57,6 +54,18 @@ fn check_all_reduce<T: Transport>(comms: &[Mesh<T>], n: usize, what: &str) {
 }
 
 const SIZES: [usize; 8] = [0, 1, 2, 3, 7, 576, 1001, 70_000];
+
+#[test]
+fn shared_memory_sums_in_the_reference_order_across_slot_sized_pieces() {
+    for world in [2, 3, 4] {
+        let s = shm::group(world, DEADLINE).unwrap();
+        // 300,001 values: more than one 1 MiB slot, so several rounds,
+        // with a chunk boundary inside a piece.
+        for n in SIZES.into_iter().chain([300_001]) {
+            check_all_reduce(&s, n, "shm");
+        }
+    }
+}
 
 #[test]
 fn every_algorithm_sums_in_the_reference_order_over_threads_and_tcp() {
@@ -90,7 +99,7 @@ fn gathers_broadcasts_barriers_and_messages_arrive_whole() {
     for world in [2, 3] {
         let t = threads::group(world, DEADLINE, Algorithm::default());
         let c = tcp::loopback_group(world, DEADLINE, Algorithm::default()).unwrap();
-        fn run<T: Transport>(comms: &[Mesh<T>]) {
+        fn run<C: Communicator>(comms: &[C], p2p: bool) {
             let world = comms.len();
             let got = on_every_rank(comms, |c| {
                 let r = c.rank();
@@ -109,10 +118,10 @@ fn gathers_broadcasts_barriers_and_messages_arrive_whole() {
                 c.barrier().unwrap();
                 // A pipeline: each rank sends its rank to the next.
                 let mut got = Vec::new();
-                if r + 1 < world {
+                if p2p && r + 1 < world {
                     c.send(r + 1, &[r as u8; 3]).unwrap();
                 }
-                if r > 0 {
+                if p2p && r > 0 {
                     c.recv(r - 1, &mut got).unwrap();
                 }
                 (
@@ -131,7 +140,7 @@ fn gathers_broadcasts_barriers_and_messages_arrive_whole() {
                     (3 << 20, true, 0),
                     "rank {r}"
                 );
-                let want_msg = if r > 0 {
+                let want_msg = if p2p && r > 0 {
                     vec![(r - 1) as u8; 3]
                 } else {
                     vec![]
@@ -139,8 +148,9 @@ fn gathers_broadcasts_barriers_and_messages_arrive_whole() {
                 assert_eq!(got, want_msg, "rank {r} recv");
             }
         }
-        run(&t);
-        run(&c);
+        run(&t, true);
+        run(&c, true);
+        run(&shm::group(world, DEADLINE).unwrap(), false);
     }
 }
 
@@ -163,7 +173,7 @@ fn a_rank_calling_collectives_out_of_order_fails_on_every_rank() {
     for algo in [Algorithm::Direct, Algorithm::Ring] {
         let t = threads::group(3, DEADLINE, algo);
         let c = tcp::loopback_group(3, DEADLINE, algo).unwrap();
-        fn run<T: Transport>(comms: &[Mesh<T>], what: &str) {
+        fn run<C: Communicator>(comms: &[C], what: &str) {
             let t0 = Instant::now();
             let results = on_every_rank(comms, |c| {
                 let mut buf = vec![1.0f32; 100];
@@ -191,6 +201,23 @@ fn a_rank_calling_collectives_out_of_order_fails_on_every_rank() {
         run(&t, "threads");
         run(&c, "tcp");
     }
+    fn shm_run<C: Communicator>(comms: &[C]) {
+        let t0 = Instant::now();
+        let results = on_every_rank(comms, |c| {
+            if c.rank() == 2 {
+                c.barrier()
+            } else {
+                c.all_reduce_sum(&mut vec![1.0f32; 100])
+            }
+        });
+        let errs = all_fail(results, t0, DEADLINE * 2);
+        assert!(
+            errs.iter()
+                .any(|e| matches!(e, CommError::OutOfOrder { .. })),
+            "shm: {errs:?}"
+        );
+    }
+    shm_run(&shm::group(3, DEADLINE).unwrap());
 }
 
 #[test]
@@ -220,7 +247,7 @@ fn a_stuck_rank_is_a_timeout_within_the_deadline() {
     let deadline = Duration::from_millis(300);
     let t = threads::group(3, deadline, Algorithm::Direct);
     let c = tcp::loopback_group(3, deadline, Algorithm::Ring).unwrap();
-    fn run<T: Transport>(comms: &[Mesh<T>]) {
+    fn run<C: Communicator>(comms: &[C]) {
         let t0 = Instant::now();
         // Rank 2 never calls.
         let results = on_every_rank(&comms[..2], |c| c.all_reduce_sum(&mut vec![1.0f32; 10]));
@@ -232,6 +259,7 @@ fn a_stuck_rank_is_a_timeout_within_the_deadline() {
     }
     run(&t);
     run(&c);
+    run(&shm::group(3, deadline).unwrap());
 }
 
 #[test]

@@ -1,8 +1,9 @@
 //! Tensor parallelism against one process: the tiny Llama at TP = 2 and
 //! SmolLM2 at TP = 3 (f32 and native weights, replicated and
-//! vocab-parallel head), over threads and loopback TCP. Greedy tokens
-//! equal TP = 1's, logits within 1e-4 of the logit scale, TCP equal to
-//! threads bit for bit, each rank holding 1/P of the projections and of
+//! vocab-parallel head), over threads, loopback TCP and shared memory.
+//! Greedy tokens equal TP = 1's, logits within 1e-4 of the logit scale
+//! (f32; native: within its own measured jitter), TCP and shared memory
+//! equal to threads bit for bit, each rank holding 1/P of the projections and of
 //! the K/V heads; degrees that do not divide the model are refused.
 
 use std::path::{Path, PathBuf};
@@ -148,6 +149,14 @@ fn tcp_world(world: usize) -> Vec<Arc<dyn Communicator>> {
         .collect()
 }
 
+fn shm_world(world: usize) -> Vec<Arc<dyn Communicator>> {
+    p13_multi_gpu::shm::group(world, Duration::from_secs(30))
+        .unwrap()
+        .into_iter()
+        .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+        .collect()
+}
+
 fn bits(v: &[Vec<f32>]) -> Vec<u32> {
     v.iter().flatten().map(|x| x.to_bits()).collect()
 }
@@ -172,7 +181,13 @@ fn check(path: &Path, weights: Weights, head: HeadSplit, world: usize, prompt: &
 
     let by_threads = run_ranks(path, weights, head, threads_world(world), prompt);
     let by_tcp = run_ranks(path, weights, head, tcp_world(world), prompt);
-    for (r, (t, c)) in by_threads.iter().zip(&by_tcp).enumerate() {
+    let by_shm = run_ranks(path, weights, head, shm_world(world), prompt);
+    for (r, ((t, c), m)) in by_threads.iter().zip(&by_tcp).zip(&by_shm).enumerate() {
+        assert_eq!(
+            bits(&t.logits),
+            bits(&m.logits),
+            "{what}: rank {r}: shared memory is not threads bit for bit"
+        );
         assert_eq!(t.toks, want_toks, "{what}: rank {r}'s greedy tokens");
         assert_eq!(
             bits(&t.logits),
