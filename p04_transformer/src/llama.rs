@@ -213,7 +213,7 @@ impl Llama {
             }
         };
         let mut blocks = Vec::with_capacity(cfg.n_layer);
-        for i in 0..cfg.n_layer {
+        for i in split.layers(cfg.n_layer) {
             let g = |n: &str, shape: &[usize]| src.get(&format!("blk.{i}.{n}.weight"), shape);
             let p = |n: &str, role, out, inp, heads| {
                 proj(&format!("blk.{i}.{n}.weight"), role, out, inp, heads)
@@ -231,11 +231,19 @@ impl Llama {
                 w_down: p("ffn_down", Role::Down, d, ff, None)?,
             });
         }
-        let tok_embd = src.get("token_embd.weight", &[cfg.vocab_size, d])?;
         let tied = !h.tensors.iter().any(|t| t.name == "output.weight");
+        // The table on the first stage (and on the last when it is the
+        // head); none elsewhere.
+        let needs_table = split.is_first_stage() || (tied && split.is_last_stage());
+        let mut tok_embd = match needs_table {
+            true => src.get("token_embd.weight", &[cfg.vocab_size, d])?,
+            false => Vec::new(),
+        };
         // A tied head is the embedding table: in the loader's format if it
         // takes it, else the f32 table already read (or its part).
-        let lm_head = if !tied {
+        let lm_head = if !split.is_last_stage() {
+            Proj::new(&[], 0, d)?
+        } else if !tied {
             proj("output.weight", Role::Head, cfg.vocab_size, d, None)?
         } else {
             let keep = split.keep(Role::Head, &cfg, [cfg.vocab_size, d], None);
@@ -244,9 +252,15 @@ impl Llama {
                 None => kept_f32("token_embd.weight", &keep, &tok_embd)?,
             }
         };
+        if !split.is_first_stage() {
+            tok_embd = Vec::new();
+        }
         Ok(Llama {
             tok_embd,
-            out_norm: src.get("output_norm.weight", &[d])?,
+            out_norm: match split.is_last_stage() {
+                true => src.get("output_norm.weight", &[d])?,
+                false => Vec::new(),
+            },
             lm_head,
             tied,
             split,
@@ -300,7 +314,7 @@ impl Llama {
         };
         let (hd, d) = (cfg.head_dim, cfg.hidden_size);
         let mut blocks = Vec::with_capacity(cfg.n_layer);
-        for i in 0..cfg.n_layer {
+        for i in split.layers(cfg.n_layer) {
             let name = |n: &str| format!("model.layers.{i}.{n}.weight");
             let g = |n: &str, shape: &[usize]| src.get(&name(n), shape);
             let p = |n: &str, role, out, inp| proj(&name(n), role, out, inp, &g(n, &[out, inp])?);
@@ -318,8 +332,14 @@ impl Llama {
             });
         }
         let tied = c["tie_word_embeddings"].as_bool().unwrap_or(false) || !hf.has("lm_head.weight");
-        let tok_embd = src.get("model.embed_tokens.weight", &[cfg.vocab_size, d])?;
-        let lm_head = if tied {
+        let (first, last) = (split.is_first_stage(), split.is_last_stage());
+        let mut tok_embd = match first || (tied && last) {
+            true => src.get("model.embed_tokens.weight", &[cfg.vocab_size, d])?,
+            false => Vec::new(),
+        };
+        let lm_head = if !last {
+            Proj::new(&[], 0, d)?
+        } else if tied {
             proj(
                 "model.embed_tokens.weight",
                 Role::Head,
@@ -331,12 +351,18 @@ impl Llama {
             let w = src.get("lm_head.weight", &[cfg.vocab_size, d])?;
             proj("lm_head.weight", Role::Head, cfg.vocab_size, d, &w)?
         };
+        if !first {
+            tok_embd = Vec::new();
+        }
         Ok(Llama {
             lm_head,
             tied,
             split,
             tok_embd,
-            out_norm: src.get("model.norm.weight", &[d])?,
+            out_norm: match last {
+                true => src.get("model.norm.weight", &[d])?,
+                false => Vec::new(),
+            },
             blocks,
             threads: rayon_threads(),
             cfg,

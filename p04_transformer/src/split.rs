@@ -15,6 +15,10 @@
 //! The LM head is kept whole on every rank (replicated) or split by
 //! vocabulary rows (vocab-parallel, its logits gathered). The embedding
 //! table and the norms are always whole.
+//!
+//! Under pipeline parallelism stage s of S keeps only its run of layers,
+//! L/S of them (GPipe); the embedding table lives on the first stage, the
+//! final norm and the LM head on the last.
 
 use std::ops::Range;
 
@@ -31,12 +35,15 @@ pub enum HeadSplit {
     VocabParallel,
 }
 
-/// Rank `rank` of `size` tensor-parallel ranks.
+/// Rank `rank` of `size` tensor-parallel ranks, in pipeline stage
+/// `stage` of `stages`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Split {
     pub rank: usize,
     pub size: usize,
     pub head: HeadSplit,
+    pub stage: usize,
+    pub stages: usize,
 }
 
 /// A projection of a Llama block, or the LM head.
@@ -57,6 +64,16 @@ pub enum Role {
 pub enum SplitError {
     #[error("tensor-parallel rank {rank} of {size}: the rank must be below the size, and the size at least 1")]
     Rank { rank: usize, size: usize },
+    #[error("pipeline stage {stage} of {stages}: the stage must be below the count, and the count at least 1")]
+    Stage { stage: usize, stages: usize },
+    #[error(
+        "{stages} pipeline stages do not divide the {layers} layers; counts that do: {divisors:?}"
+    )]
+    Layers {
+        stages: usize,
+        layers: usize,
+        divisors: Vec<usize>,
+    },
     #[error("tensor parallelism {size} does not divide {what} ({count}); the sizes that divide all of this model's are {divisors:?}")]
     Indivisible {
         size: usize,
@@ -143,6 +160,8 @@ impl Split {
             rank: 0,
             size: 1,
             head: HeadSplit::Replicated,
+            stage: 0,
+            stages: 1,
         }
     }
 
@@ -150,11 +169,41 @@ impl Split {
         if size == 0 || rank >= size {
             return Err(SplitError::Rank { rank, size });
         }
-        Ok(Split { rank, size, head })
+        Ok(Split {
+            rank,
+            size,
+            head,
+            ..Split::whole()
+        })
+    }
+
+    /// Pipeline stage `stage` of `stages` (every weight of its layers whole).
+    pub fn stage(stage: usize, stages: usize) -> Result<Split, SplitError> {
+        if stages == 0 || stage >= stages {
+            return Err(SplitError::Stage { stage, stages });
+        }
+        Ok(Split {
+            stage,
+            stages,
+            ..Split::whole()
+        })
     }
 
     pub fn is_whole(&self) -> bool {
-        self.size == 1
+        self.size == 1 && self.stages == 1
+    }
+
+    /// The layers this stage keeps, of `n_layer` (checked to divide).
+    pub fn layers(&self, n_layer: usize) -> Range<usize> {
+        part(n_layer, self.stage, self.stages.max(1))
+    }
+
+    pub fn is_first_stage(&self) -> bool {
+        self.stage == 0
+    }
+
+    pub fn is_last_stage(&self) -> bool {
+        self.stage + 1 == self.stages.max(1)
     }
 
     /// The counts this split must divide: query heads, K/V heads, the MLP
@@ -174,6 +223,15 @@ impl Split {
     /// Refuse a size that does not divide the model, naming the numbers
     /// and the sizes that would.
     pub fn check(&self, c: &LlamaConfig) -> Result<(), SplitError> {
+        if !c.n_layer.is_multiple_of(self.stages.max(1)) {
+            return Err(SplitError::Layers {
+                stages: self.stages,
+                layers: c.n_layer,
+                divisors: (1..=c.n_layer)
+                    .filter(|d| c.n_layer.is_multiple_of(*d))
+                    .collect(),
+            });
+        }
         let counts = self.counts(c);
         let Some(&(what, count)) = counts.iter().find(|(_, n)| !n.is_multiple_of(self.size)) else {
             return Ok(());

@@ -35,4 +35,6 @@ pub enum LocalModelError {
     Batch(#[from] common::batch::BatchError),
     #[error("the prompt is empty")]
     EmptyPrompt,
+    #[error("a pipeline stage was handed {len} values of residual stream; the step needs {want}")]
+    StageInput { len: usize, want: usize },
 }

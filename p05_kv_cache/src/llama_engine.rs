@@ -140,8 +140,8 @@ impl LlamaEngine {
             batch,
             std::slice::from_mut(&mut store),
             ws,
-            logits,
-            Head::All,
+            None,
+            Out::Logits(logits, Head::All),
         )
     }
 }
@@ -157,11 +157,12 @@ enum Head {
 
 impl BatchModel for LlamaEngine {
     type Workspace = LlamaWorkspace;
-    /// This process's K/V heads (a tensor-parallel rank keeps its own).
+    /// This process's layers and K/V heads (a pipeline stage keeps its
+    /// layers', a tensor-parallel rank its heads').
     fn kv_shape(&self) -> KvShape {
         let c = &self.model.cfg;
         KvShape {
-            n_layer: c.n_layer,
+            n_layer: self.model.blocks.len(),
             n_kv_head: self.model.part_dims().n_kv_head,
             head_dim: c.head_dim,
         }
@@ -178,34 +179,86 @@ impl BatchModel for LlamaEngine {
         ws: &mut LlamaWorkspace,
         logits: &mut [f32],
     ) -> Result<(), LocalModelError> {
-        self.forward(batch, stores, ws, logits, Head::Last)
+        self.forward(batch, stores, ws, None, Out::Logits(logits, Head::Last))
+    }
+}
+
+/// Where a pipeline stage's step ends (Project 13).
+#[derive(Debug)]
+pub enum StageOut<'a> {
+    /// The residual stream after this stage's layers, (n_tokens, hidden),
+    /// for the next stage.
+    Hidden(&'a mut Vec<f32>),
+    /// The last stage: each sequence's last row through the head, (n_seqs, vocab).
+    Logits(&'a mut [f32]),
+}
+
+/// What `forward` produces.
+enum Out<'a> {
+    Hidden(&'a mut Vec<f32>),
+    Logits(&'a mut [f32], Head),
+}
+
+impl LlamaEngine {
+    /// One pipeline stage's share of a step: this engine's layers (a
+    /// stage keeps only its own, Project 04's `Split::stage`) over the
+    /// step, starting from the previous stage's residual stream `input`
+    /// (n_tokens, hidden), or from the embeddings on the first stage
+    /// (`None`), and ending as `out` says.
+    pub fn forward_stage<S: KvStore>(
+        &self,
+        batch: &Batch,
+        stores: &mut [&mut S],
+        ws: &mut LlamaWorkspace,
+        input: Option<&[f32]>,
+        out: StageOut<'_>,
+    ) -> Result<(), LocalModelError> {
+        let out = match out {
+            StageOut::Hidden(h) => Out::Hidden(h),
+            StageOut::Logits(l) => Out::Logits(l, Head::Last),
+        };
+        self.forward(batch, stores, ws, input, out)
     }
 }
 
 impl LlamaEngine {
-    /// The step behind `forward_batch` and `forward_all`: every sequence's
-    /// new tokens through the model; `head` picks the rows the LM head
-    /// sees (each sequence's last, or every token).
+    /// The step behind `forward_batch`, `forward_all` and
+    /// `forward_stage`: every sequence's new tokens through this engine's
+    /// layers, from the embeddings (or a previous stage's `input`), to the
+    /// LM head (its `Head` picks the rows it sees: each sequence's last,
+    /// or every token) or to the next stage.
     fn forward<S: KvStore>(
         &self,
         batch: &Batch,
         stores: &mut [&mut S],
         ws: &mut LlamaWorkspace,
-        logits: &mut [f32],
-        head: Head,
+        input: Option<&[f32]>,
+        out: Out<'_>,
     ) -> Result<(), LocalModelError> {
         let m = &self.model;
         let c = &m.cfg;
         let (n, n_seqs) = (batch.n_tokens(), batch.n_seqs());
-        let logit_rows = if head == Head::All { n } else { n_seqs };
+        let (logits_len, logit_rows) = match &out {
+            Out::Logits(l, Head::All) => (l.len(), n),
+            Out::Logits(l, Head::Last) => (l.len(), n_seqs),
+            Out::Hidden(_) => (0, 0),
+        };
         batch.check_rows(
             stores,
             self.kv_shape(),
             c.max_seq,
             c.vocab_size,
-            logits.len(),
+            logits_len,
             logit_rows,
         )?;
+        if let Some(x) = input {
+            if x.len() != n * c.hidden_size {
+                return Err(LocalModelError::StageInput {
+                    len: x.len(),
+                    want: n * c.hidden_size,
+                });
+            }
+        }
         // This process's heads and MLP width: the whole model's, or a
         // tensor-parallel rank's part (Project 13), whose row-parallel
         // projections (wo, w_down) complete their partial sums themselves.
@@ -249,10 +302,16 @@ impl LlamaEngine {
         let (att, o) = (grow(att, n * nh * hd), grow(o, n * d));
         let (g, u) = (grow(g, n * ff), grow(u, n * ff)); // (n_tokens, intermediate)
 
-        // 1. Embeddings of every new token of every sequence.
-        for (r, &id) in batch.tokens().iter().enumerate() {
-            let id = id as usize;
-            x[r * d..(r + 1) * d].copy_from_slice(&m.tok_embd[id * d..(id + 1) * d]);
+        // 1. Embeddings of every new token of every sequence (or the
+        //    residual stream the previous pipeline stage hands over).
+        match input {
+            Some(prev) => x.copy_from_slice(prev),
+            None => {
+                for (r, &id) in batch.tokens().iter().enumerate() {
+                    let id = id as usize;
+                    x[r * d..(r + 1) * d].copy_from_slice(&m.tok_embd[id * d..(id + 1) * d]);
+                }
+            }
         }
         let scale = 1.0 / (hd as f32).sqrt();
         for (l, blk) in m.blocks.iter().enumerate() {
@@ -303,7 +362,15 @@ impl LlamaEngine {
             store.advance(s.len);
         }
         // 4. The head: over every row when scoring a text, else only over
-        //    each sequence's last row.
+        //    each sequence's last row; or the stream to the next stage.
+        let (logits, head) = match out {
+            Out::Hidden(next) => {
+                next.clear();
+                next.extend_from_slice(x);
+                return Ok(());
+            }
+            Out::Logits(l, h) => (l, h),
+        };
         if head == Head::All {
             rms_norm_into(x, d, &m.out_norm, eps, h);
             m.lm_head.apply_into(h, n, logits, t)?;

@@ -16,6 +16,7 @@ pub mod bench;
 pub mod comm;
 pub mod frame;
 pub mod mesh;
+pub mod pp;
 pub mod runner;
 pub mod serve;
 pub mod shm;

@@ -55,14 +55,28 @@ impl<R: ModelRunner> TpRunner<R> {
     }
 
     fn send(&mut self, plan: &StepPlan) -> Result<(), RunnerError> {
-        self.msg.clear();
-        self.msg.push(STEP);
-        plan.encode_into(&mut self.msg)
-            .map_err(|e| RunnerError::Model(Box::new(e)))?;
-        self.comm
-            .broadcast(0, &mut self.msg)
-            .map_err(|e| RunnerError::Model(Box::new(e)))
+        broadcast_plan(&*self.comm, plan, &mut self.msg)
     }
+}
+
+/// Rank 0: every rank gets `plan` (encoded into `msg`).
+pub fn broadcast_plan(
+    comm: &dyn Communicator,
+    plan: &StepPlan,
+    msg: &mut Vec<u8>,
+) -> Result<(), RunnerError> {
+    msg.clear();
+    msg.push(STEP);
+    plan.encode_into(msg)
+        .map_err(|e| RunnerError::Model(Box::new(e)))?;
+    comm.broadcast(0, msg)
+        .map_err(|e| RunnerError::Model(Box::new(e)))
+}
+
+/// Rank 0's last word to the others: stop following.
+pub fn broadcast_stop(comm: &dyn Communicator) {
+    let mut stop = vec![STOP];
+    let _ = comm.broadcast(0, &mut stop);
 }
 
 impl<R: ModelRunner> ModelRunner for TpRunner<R> {
@@ -101,8 +115,7 @@ impl<R: ModelRunner> ModelRunner for TpRunner<R> {
 impl<R: ModelRunner> Drop for TpRunner<R> {
     /// The other ranks' loops end with rank 0's runner.
     fn drop(&mut self) {
-        let mut stop = vec![STOP];
-        let _ = self.comm.broadcast(0, &mut stop);
+        broadcast_stop(&*self.comm);
     }
 }
 
@@ -110,17 +123,29 @@ impl<R: ModelRunner> Drop for TpRunner<R> {
 /// stop (Ok) or its link breaks (the error). Waits as long as the server
 /// is idle; a dead rank 0 ends the wait at once.
 pub fn follow<R: ModelRunner>(comm: &dyn Communicator, local: &mut R) -> Result<(), RankError> {
-    let (mut msg, mut logits) = (Vec::new(), Vec::new());
+    let mut logits = Vec::new();
+    follow_plans(comm, |plan| {
+        if plan.seqs.is_empty() {
+            local.apply(&plan.ops)?;
+        } else {
+            local.execute(plan, &mut logits)?;
+        }
+        Ok(())
+    })
+}
+
+/// Receive rank 0's plans and hand each to `step`, until stop.
+pub fn follow_plans(
+    comm: &dyn Communicator,
+    mut step: impl FnMut(&StepPlan) -> Result<(), RankError>,
+) -> Result<(), RankError> {
+    let mut msg = Vec::new();
     loop {
         comm.broadcast_wait(0, &mut msg, None::<Duration>)?;
         match msg.split_first() {
             Some((&STEP, body)) => {
                 let plan = StepPlan::decode(body).map_err(|e| RankError::Command(e.to_string()))?;
-                if plan.seqs.is_empty() {
-                    local.apply(&plan.ops)?;
-                } else {
-                    local.execute(&plan, &mut logits)?;
-                }
+                step(&plan)?;
             }
             Some((&STOP, _)) => return Ok(()),
             _ => {

@@ -190,19 +190,8 @@ pub fn load_rank(
         path: path.to_path_buf(),
         msg: e.to_string(),
     })?;
-    let mut loaded = match weights {
-        Weights::F32 => {
-            p05_kv_cache::load::load_split(path, &p04_transformer::llama::F32Weights, split)?
-        }
-        Weights::Native => {
-            let w = p10_quant::NativeWeights::detect();
-            let mut l = p05_kv_cache::load::load_split(path, &w, split)?;
-            l.engine.set_parallel(Arc::new(p10_quant::pool::GlobalPool));
-            l
-        }
-    };
+    let mut loaded = load_part(path, weights, split, threads)?;
     let m = &mut loaded.engine.model;
-    m.threads = threads.max(1);
     if comm.world() > 1 {
         let wrap = |p: &mut Proj, f: &dyn Fn(Box<dyn LinearWeights>) -> Box<dyn LinearWeights>| {
             let taken = std::mem::replace(p, Proj::from_weights(Box::new(Empty)));
@@ -221,6 +210,30 @@ pub fn load_rank(
             });
         }
     }
+    Ok(loaded)
+}
+
+/// `split`'s part of the model at `path`, in `weights`, its products on
+/// `threads` threads (a pipeline stage's layers, or a tensor-parallel
+/// rank's slices before their collectives are added).
+pub fn load_part(
+    path: &Path,
+    weights: Weights,
+    split: Split,
+    threads: usize,
+) -> Result<LoadedEngine, p05_kv_cache::LocalModelError> {
+    let mut loaded = match weights {
+        Weights::F32 => {
+            p05_kv_cache::load::load_split(path, &p04_transformer::llama::F32Weights, split)?
+        }
+        Weights::Native => {
+            let w = p10_quant::NativeWeights::detect();
+            let mut l = p05_kv_cache::load::load_split(path, &w, split)?;
+            l.engine.set_parallel(Arc::new(p10_quant::pool::GlobalPool));
+            l
+        }
+    };
+    loaded.engine.model.threads = threads.max(1);
     Ok(loaded)
 }
 
