@@ -4,6 +4,7 @@
 //!
 //! ```text
 //! p13_multi_gpu serve --tp 3          rank 0; starts ranks 1 and 2 as child processes
+//! p13_multi_gpu serve --pp 3          the same with pipeline stages
 //! p13_multi_gpu serve --tp 3 --peers A0,A1,A2 --token T
 //!                                      rank 0 of ranks started elsewhere, each with
 //! p13_multi_gpu rank --rank r --peers A0,A1,A2 --token T --model FILE
@@ -22,7 +23,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use common::batch::BatchModel;
-use p04_transformer::HeadSplit;
+use p04_transformer::{HeadSplit, Split};
+use p05_kv_cache::load::LoadedEngine;
 use p08_continuous::kv_backend::KvBackend;
 use p08_continuous::{ContinuousEngine, LocalRunner};
 use p09_kv_manager::serve::ServeArgs;
@@ -30,9 +32,10 @@ use p09_kv_manager::PagedKv;
 
 use crate::frame::{Hello, PROTOCOL_VERSION};
 use crate::mesh::{Algorithm, Mesh};
+use crate::pp::{follow_stage, PpRunner, Stage};
 use crate::runner::{follow, TpRunner};
 use crate::tcp::{self, TcpLinks};
-use crate::tp::{load_rank, Weights};
+use crate::tp::{load_part, load_rank, Weights};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum WeightsArg {
@@ -56,6 +59,10 @@ pub struct SplitArgs {
     /// and the MLP width: 1 or 3 for SmolLM2).
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
+    /// Pipeline stages (must divide the layers: 1, 2, 3, 5, ... for
+    /// SmolLM2's 30); one of --tp and --pp may exceed 1.
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
     #[arg(long, value_enum, default_value = "native")]
     pub weights: WeightsArg,
     /// Split the LM head by vocabulary rows (logits all-gathered) instead
@@ -104,6 +111,28 @@ pub struct RankArgs {
 }
 
 impl SplitArgs {
+    /// Ranks in all: tensor-parallel ranks or pipeline stages.
+    fn world(&self) -> usize {
+        self.tp.max(1) * self.pp.max(1)
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.tp == 0 || self.pp == 0 || (self.tp > 1 && self.pp > 1) {
+            bail!("--tp {} --pp {}: each at least 1, and one of them 1 (tensor and pipeline parallelism together are not built yet)", self.tp, self.pp);
+        }
+        Ok(())
+    }
+
+    /// This rank's part of the model, its collectives in place.
+    fn load(&self, rank: usize, path: &Path, comm: Arc<Mesh<TcpLinks>>) -> Result<LoadedEngine> {
+        let what = || format!("rank {rank} loading {}", path.display());
+        if self.pp > 1 {
+            let split = Split::stage(rank, self.pp)?;
+            return load_part(path, self.weights.into(), split, self.threads).with_context(what);
+        }
+        load_rank(path, self.weights.into(), self.head(), comm, self.threads).with_context(what)
+    }
+
     fn head(&self) -> HeadSplit {
         match self.vocab_parallel_head {
             true => HeadSplit::VocabParallel,
@@ -120,8 +149,9 @@ impl SplitArgs {
     fn layout_hash(&self, model: &Path, block_size: usize, kv_mib: usize) -> Result<u64> {
         use std::io::Read;
         let mut text = format!(
-            "tp {} {:?} {:?} block {block_size} kv {kv_mib}",
+            "tp {} pp {} {:?} {:?} block {block_size} kv {kv_mib}",
             self.tp,
+            self.pp,
             self.weights,
             self.head()
         );
@@ -145,7 +175,7 @@ impl SplitArgs {
     fn join(&self, rank: usize, listener: &TcpListener, layout: u64) -> Result<Mesh<TcpLinks>> {
         let hello = Hello {
             version: PROTOCOL_VERSION,
-            world: self.tp as u32,
+            world: self.world() as u32,
             rank: rank as u32,
             token: self.token.unwrap_or(0),
             layout,
@@ -158,9 +188,8 @@ impl SplitArgs {
 
 /// Rank 0: start (or join) the other ranks, load its slice, serve.
 pub async fn serve(mut a: TpServeArgs) -> Result<()> {
-    if a.split.tp == 0 {
-        bail!("--tp must be at least 1");
-    }
+    a.split.check()?;
+    let world = a.split.world();
     let config = a.serve.sched.config();
     let paged = a.serve.paged.clone();
     let kv_mib = a.serve.sched.kv_cache_mib;
@@ -168,7 +197,7 @@ pub async fn serve(mut a: TpServeArgs) -> Result<()> {
     // list); without --peers it picks the other ranks' ports too.
     let spawn = a.split.peers.is_empty();
     let listener = if spawn {
-        let ls = (0..a.split.tp)
+        let ls = (0..world)
             .map(|_| TcpListener::bind("127.0.0.1:0"))
             .collect::<std::io::Result<Vec<_>>>()?;
         a.split.peers = ls
@@ -190,19 +219,12 @@ pub async fn serve(mut a: TpServeArgs) -> Result<()> {
     let split = a.split.clone();
     p06_server::server::serve_model(&a.serve.listen, move |path, name| {
         let layout = split.layout_hash(path, paged.block_size, kv_mib)?;
-        if spawn && split.tp > 1 {
+        if spawn && split.world() > 1 {
             start_ranks(&split, path, paged.block_size, kv_mib)?;
         }
         let comm = Arc::new(split.join(0, &listener, layout)?);
-        let loaded = load_rank(
-            path,
-            split.weights.into(),
-            split.head(),
-            comm.clone(),
-            split.threads,
-        )
-        .with_context(|| format!("rank 0 loading {}", path.display()))?;
-        let (engine, tokenizer) = p06_server::load::with_tokenizer(path, loaded)?;
+        let (engine, tokenizer) =
+            p06_server::load::with_tokenizer(path, split.load(0, path, comm.clone())?)?;
         let kv = PagedKv::new(
             engine.kv_shape(),
             paged.block_size,
@@ -211,15 +233,28 @@ pub async fn serve(mut a: TpServeArgs) -> Result<()> {
         )?;
         crate::comm::Communicator::barrier(&*comm).context("waiting for every rank to load")?;
         let info = common::Model::info(&engine).clone();
-        let engine = Arc::new(engine);
-        let engine = ContinuousEngine::start_with_runner(
-            &info,
-            Arc::new(tokenizer),
-            name,
-            config,
-            kv,
-            move |storage| TpRunner::new(LocalRunner::new(engine, storage), comm),
-        )?;
+        let (engine, tokenizer) = (Arc::new(engine), Arc::new(tokenizer));
+        let engine = match split.pp > 1 {
+            true => {
+                let micro = split.pp;
+                ContinuousEngine::start_with_runner(
+                    &info,
+                    tokenizer,
+                    name,
+                    config,
+                    kv,
+                    move |storage| PpRunner::new(Stage::new(engine, storage), comm, micro),
+                )?
+            }
+            false => ContinuousEngine::start_with_runner(
+                &info,
+                tokenizer,
+                name,
+                config,
+                kv,
+                move |storage| TpRunner::new(LocalRunner::new(engine, storage), comm),
+            )?,
+        };
         Ok(Arc::new(engine))
     })
     .await
@@ -239,13 +274,14 @@ fn job_token() -> u64 {
 fn start_ranks(split: &SplitArgs, model: &Path, block_size: usize, kv_mib: usize) -> Result<()> {
     let exe = std::env::current_exe().context("finding this program to start the ranks")?;
     let peers: Vec<String> = split.peers.iter().map(|p| p.to_string()).collect();
-    for rank in 1..split.tp {
+    for rank in 1..split.world() {
         let mut cmd = std::process::Command::new(&exe);
         cmd.arg("rank")
             .args(["--rank", &rank.to_string()])
             .arg("--model")
             .arg(model)
             .args(["--tp", &split.tp.to_string()])
+            .args(["--pp", &split.pp.to_string()])
             .args(["--weights", &format!("{:?}", split.weights).to_lowercase()])
             .args(["--threads", &split.threads.to_string()])
             .args([
@@ -274,11 +310,12 @@ pub fn rank(a: RankArgs) -> Result<()> {
         libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
     }
     let s = &a.split;
-    if a.rank == 0 || a.rank >= s.tp || s.peers.len() != s.tp {
+    s.check()?;
+    if a.rank == 0 || a.rank >= s.world() || s.peers.len() != s.world() {
         bail!(
-            "rank {} of --tp {} with {} --peers",
+            "rank {} of a world of {} with {} --peers",
             a.rank,
-            s.tp,
+            s.world(),
             s.peers.len()
         );
     }
@@ -286,22 +323,22 @@ pub fn rank(a: RankArgs) -> Result<()> {
         .with_context(|| format!("rank {} binding {}", a.rank, s.peers[a.rank]))?;
     let layout = s.layout_hash(&a.model, a.block_size, a.kv_cache_mib)?;
     let comm = Arc::new(s.join(a.rank, &listener, layout)?);
-    let loaded = load_rank(
-        &a.model,
-        s.weights.into(),
-        s.head(),
-        comm.clone(),
-        s.threads,
-    )
-    .with_context(|| format!("rank {} loading {}", a.rank, a.model.display()))?;
+    let loaded = s.load(a.rank, &a.model, comm.clone())?;
     let kv = PagedKv::new(
         loaded.engine.kv_shape(),
         a.block_size,
         a.kv_cache_mib.saturating_mul(1 << 20),
         false,
     )?;
-    let mut runner = LocalRunner::new(&loaded.engine, kv.new_storage());
+    let storage = kv.new_storage();
     crate::comm::Communicator::barrier(&*comm).context("waiting for every rank to load")?;
-    follow(&*comm, &mut runner).with_context(|| format!("rank {}", a.rank))?;
+    let what = || format!("rank {}", a.rank);
+    if s.pp > 1 {
+        let mut stage = Stage::new(&loaded.engine, storage);
+        follow_stage(&*comm, &mut stage, s.pp).with_context(what)?;
+    } else {
+        let mut runner = LocalRunner::new(&loaded.engine, storage);
+        follow(&*comm, &mut runner).with_context(what)?;
+    }
     Ok(())
 }

@@ -1,7 +1,8 @@
 //! p06's HTTP API tests, unchanged, against the tensor-parallel server
 //! (TP = 3): every endpoint over a real socket must return exactly what
 //! the one-process p05 engine generates. Then the server as the README
-//! starts it: rank 0 spawning ranks 1 and 2 as processes.
+//! starts it, at TP = 3 and at PP = 3: rank 0 spawning ranks 1 and 2 as
+//! processes.
 
 mod support;
 
@@ -9,6 +10,12 @@ include!("../../p06_server/tests/shared/api_cases.rs");
 
 #[test]
 fn the_served_binary_with_ranks_as_processes_answers_as_one_process() {
+    served(&["--tp", "3"]);
+    served(&["--pp", "3"]);
+}
+
+/// `p13_multi_gpu serve` with `split` (f32), one greedy chat request.
+fn served(split: &[&str]) {
     use std::io::{BufRead, BufReader};
     use std::process::{Command, Stdio};
     let path =
@@ -61,6 +68,9 @@ fn the_served_binary_with_ranks_as_processes_answers_as_one_process() {
         libc::kill(child.id() as i32, libc::SIGTERM);
     }
     let status = child.wait().unwrap();
-    assert_eq!(got["choices"][0]["message"]["content"], want, "{got}");
-    assert!(status.success(), "rank 0 exited with {status}");
+    assert_eq!(
+        got["choices"][0]["message"]["content"], want,
+        "{split:?}: {got}"
+    );
+    assert!(status.success(), "{split:?}: rank 0 exited with {status}");
 }
