@@ -9,7 +9,9 @@
 //!   processes or hosts; [`shm`]: ranks on one host over shared memory;
 //! - [`tp`]: a Llama split by tensor parallelism: each rank's slice of
 //!   the weights and K/V heads, its row-parallel projections completed by
-//!   an all-reduce.
+//!   an all-reduce; [`pp`]: pipeline stages and micro-batches;
+//! - [`runner`]: rank 0 broadcasts each step's plan, the others follow;
+//!   [`serve`]: the server and the ranks' processes; `bench`: all-reduce.
 
 #[cfg(feature = "bench")]
 pub mod bench;

@@ -275,7 +275,7 @@ impl<T: Transport> Mesh<T> {
                     let mine = &mut buf[rr];
                     if phase == 0 {
                         // The partial sum of the ranks before, then this one.
-                        mine.iter_mut().zip(&partial).for_each(|(m, p)| *m = p + *m);
+                        mine.iter_mut().zip(&partial).for_each(|(m, p)| *m += p);
                     } else {
                         mine.copy_from_slice(&partial);
                     }

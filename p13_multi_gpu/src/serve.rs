@@ -1,6 +1,6 @@
-//! The tensor-parallel server: rank 0 serves the OpenAI API (Project 06)
-//! on Project 08/09's scheduler and paged block manager, and every step
-//! runs on all ranks ([`crate::runner`]).
+//! The tensor- or pipeline-parallel server: rank 0 serves the OpenAI API
+//! (Project 06) on Project 08/09's scheduler and paged block manager, and
+//! every step runs on all ranks ([`crate::runner`], [`crate::pp`]).
 //!
 //! ```text
 //! p13_multi_gpu serve --tp 3          rank 0; starts ranks 1 and 2 as child processes

@@ -169,7 +169,7 @@ pub fn join(
 }
 
 fn atomic(map: &MmapMut, offset: usize) -> &AtomicU64 {
-    assert!(offset % 8 == 0 && offset + 8 <= map.len());
+    assert!(offset.is_multiple_of(8) && offset + 8 <= map.len());
     // SAFETY: in bounds and 8-aligned (the mapping is page-aligned); every
     // rank touches these words only atomically.
     unsafe { &*(map.as_ptr().add(offset) as *const AtomicU64) }
@@ -203,7 +203,7 @@ impl ShmComm {
                     continue;
                 }
                 std::thread::yield_now();
-                if spins % 64 != 0 {
+                if !spins.is_multiple_of(64) {
                     continue;
                 }
                 let pid = control(map, p, 2).load(Ordering::Acquire) as i32;

@@ -228,7 +228,7 @@ fn a_dead_rank_is_an_error_on_every_other_rank_at_once() {
         fn run<T: Transport>(comms: &mut Vec<Mesh<T>>) {
             drop(comms.pop()); // rank 2 dies
             let t0 = Instant::now();
-            let results = on_every_rank(comms, |c| c.all_reduce_sum(&mut vec![1.0f32; 10]));
+            let results = on_every_rank(comms, |c| c.all_reduce_sum(&mut [1.0f32; 10]));
             // Long before the 30 s deadline.
             let errs = all_fail(results, t0, Duration::from_secs(5));
             assert!(
@@ -250,7 +250,7 @@ fn a_stuck_rank_is_a_timeout_within_the_deadline() {
     fn run<C: Communicator>(comms: &[C]) {
         let t0 = Instant::now();
         // Rank 2 never calls.
-        let results = on_every_rank(&comms[..2], |c| c.all_reduce_sum(&mut vec![1.0f32; 10]));
+        let results = on_every_rank(&comms[..2], |c| c.all_reduce_sum(&mut [1.0f32; 10]));
         let errs = all_fail(results, t0, Duration::from_secs(3));
         assert!(
             errs.iter().any(|e| matches!(e, CommError::Timeout { .. })),
