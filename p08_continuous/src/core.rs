@@ -27,7 +27,7 @@ use p05_kv_cache::generate::{GenerateParams, Sequence};
 use crate::contiguous::ContiguousStorage;
 use crate::kv_backend::{ContiguousKv, KvBackend};
 pub use crate::output::{AddError, SeqOutput, StepError, StepOutput, StepTiming};
-use crate::runner::{LocalRunner, ModelRunner, PlannedSeq, StepPlan};
+use crate::runner::{LocalRunner, ModelRunner, PlannedSeq, RunnerError, StepPlan};
 use crate::scheduler::{
     Schedule, Scheduler, SchedulerConfig, SchedulerError, SeqId, SeqTokens, StepCost,
 };
@@ -451,6 +451,17 @@ impl<'a, B: KvBackend, R: ModelRunner, C> EngineCore<'a, B, R, C> {
             Ok(()) => {
                 out.logits = self.recorded(&schedule);
                 self.postprocess(&schedule, &mut out);
+            }
+            Err(StepError::Runner(RunnerError::Recovered(_))) => {
+                // Nothing ran and the runner's K/V is gone: every running
+                // sequence recomputes, as after a preemption; its client
+                // sees a pause, not an error.
+                self.kv.forget_cached();
+                let mut preempted = self.scheduler.preempt_all(&mut self.kv);
+                let mut schedule = schedule;
+                schedule.preempted.append(&mut preempted);
+                out.schedule = schedule;
+                return out;
             }
             Err(e) => {
                 // A fault of the step fails every sequence in it; the

@@ -68,6 +68,10 @@ pub trait KvBackend: KvAllocator {
     /// paged backend caches full blocks here, keyed by `salt`).
     fn commit(&mut self, _id: SeqId, _tokens: &[u32], _salt: &[u8], _computed: usize) {}
 
+    /// Forget any K/V cached for reuse (a prefix cache): the runner lost
+    /// its contents. Nothing to forget by default.
+    fn forget_cached(&mut self) {}
+
     /// Bytes held by running sequences, and the budget.
     fn used_bytes(&self) -> usize;
     fn capacity_bytes(&self) -> usize;

@@ -97,6 +97,11 @@ pub enum RunnerError {
     Storage(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("forward: {0}")]
     Model(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The step did not run, and every K/V the runner held is gone, but
+    /// the runner is whole again (Project 13: a lost rank restarted). The
+    /// core recomputes every running sequence, as after a preemption.
+    #[error("the runner lost its K/V and recovered ({0}); every running sequence recomputes")]
+    Recovered(String),
 }
 
 /// Executes step plans against the K/V storage it owns.

@@ -546,6 +546,19 @@ impl<T: SeqTokens> Scheduler<T> {
         }
     }
 
+    /// Preempt every running sequence (their K/V is lost: a runner that
+    /// recovered from a lost rank): each goes back to the waiting queue in
+    /// arrival order, to recompute its tokens so far. Returns their ids.
+    pub fn preempt_all<A: KvAllocator + ?Sized>(&mut self, kv: &mut A) -> Vec<SeqId> {
+        let mut plan = Schedule::default();
+        let mut budget = 0;
+        let ids: Vec<SeqId> = self.running.iter().map(|e| e.id).collect();
+        for &id in &ids {
+            self.preempt(kv, id, &mut plan, &mut budget);
+        }
+        ids
+    }
+
     fn preempt<A: KvAllocator + ?Sized>(
         &mut self,
         kv: &mut A,

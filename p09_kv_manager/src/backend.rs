@@ -77,6 +77,10 @@ impl KvBackend for PagedKv {
         self.m.table(id).map(|t| SeqKv::Blocks(t.to_vec()))
     }
 
+    fn forget_cached(&mut self) {
+        self.m.forget_cached();
+    }
+
     fn take_ops(&mut self, into: &mut Vec<KvOp>) {
         self.m.take_ops(into);
     }

@@ -253,6 +253,14 @@ impl BlockPool {
         Ok(())
     }
 
+    /// Drop every prefix-cache entry (the blocks' contents are gone: a
+    /// runner that lost its K/V, Project 13's restarted rank).
+    pub fn forget_cached(&mut self) {
+        self.by_hash.clear();
+        self.cached.iter_mut().for_each(|c| *c = None);
+        self.cached_free = 0;
+    }
+
     /// Every prefix-cache entry points at a block cached under that hash.
     pub fn cache_is_consistent(&self) -> bool {
         self.by_hash.iter().all(|(h, &b)| {

@@ -88,6 +88,11 @@ impl KvManager {
         into.append(&mut self.ops);
     }
 
+    /// Forget the prefix cache (see [`BlockPool::forget_cached`]).
+    pub fn forget_cached(&mut self) {
+        self.pool.forget_cached();
+    }
+
     pub fn pool(&self) -> &BlockPool {
         &self.pool
     }

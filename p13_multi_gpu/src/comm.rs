@@ -3,12 +3,16 @@
 //! process, TCP between processes or hosts, shared memory, NCCL).
 //!
 //! Two rules make every backend interchangeable:
-//! - **one summation order.** A buffer of n values is cut into `world`
-//!   chunks ([`chunk`]); chunk c is summed left to right starting at rank
-//!   c: `((x_c + x_{c+1}) + x_{c+2}) + …` (ranks mod world), which is the
-//!   order a ring reduce-scatter adds in. Every backend and algorithm sums
-//!   this way ([`reference_sum`]), so tensor parallelism over TCP equals
-//!   tensor parallelism over threads bit for bit;
+//! - **one summation order.** Element i of a buffer is summed left to
+//!   right starting at rank i mod W: `((x_c + x_{c+1}) + x_{c+2}) + …`
+//!   (ranks mod W, c = i mod W), the order a ring reduce-scatter adds in
+//!   when chunk c is the elements ≡ c (mod W). Every backend and algorithm
+//!   sums this way ([`reference_sum`]), so tensor parallelism over TCP
+//!   equals tensor parallelism over threads bit for bit. And an element's
+//!   order depends on its column alone when the buffer is rows whose width
+//!   is a multiple of W (a hidden row under tensor parallelism always is:
+//!   hidden = heads × head_dim, and W divides the heads), so a token's sums
+//!   do not depend on how many rows share its step;
 //! - **every collective is numbered.** Each rank counts its collectives;
 //!   a frame carries the operation and the count, and a receive checks
 //!   both, so ranks that call collectives in different orders get an
@@ -148,30 +152,42 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     fn recv(&self, from: usize, bytes: &mut Vec<u8>) -> Result<(), CommError>;
 
     fn stats(&self) -> CommStats;
+
+    /// The error that broke this communicator, if one has.
+    fn broken(&self) -> Option<String>;
 }
 
-/// Chunk `c` of a buffer of `n` values cut into `world` chunks (the first
-/// chunks are never longer than the last: ⌊n·c/world⌋ .. ⌊n·(c+1)/world⌋).
+/// Part `c` of `n` items cut into `world` runs (the first runs are never
+/// longer than the last: ⌊n·c/world⌋ .. ⌊n·(c+1)/world⌋).
 pub fn chunk(n: usize, world: usize, c: usize) -> Range<usize> {
     let at = |c: usize| ((n as u128 * c as u128) / world.max(1) as u128) as usize;
     at(c)..at(c + 1)
 }
 
-/// The sum every backend computes: chunk c of the result is
-/// `((x_c + x_{c+1}) + …) + x_{c−1}` over ranks mod world. The reference
-/// the fast paths are tested against; the direct algorithm calls it.
-pub fn reference_sum(bufs: &[&[f32]], out: &mut [f32]) {
-    let w = bufs.len();
-    for c in 0..w {
-        let r = chunk(out.len(), w, c);
-        out[r.clone()].copy_from_slice(&bufs[c][r.clone()]);
-        for k in 1..w {
-            let b = &bufs[(c + k) % w][r.clone()];
-            out[r.clone()].iter_mut().zip(b).for_each(|(o, x)| *o += x);
-        }
+/// How many of the indices 0..n are ≡ c (mod world): the length of the
+/// summation chunk c.
+pub fn strided_len(n: usize, world: usize, c: usize) -> usize {
+    if c >= n {
+        0
+    } else {
+        (n - c).div_ceil(world.max(1))
     }
 }
 
+/// The sum every backend computes: element i is `((x_c + x_{c+1}) + …) +
+/// x_{c−1}` over ranks mod W, c = i mod W. The reference the fast paths
+/// are tested against; the direct algorithm calls it.
+pub fn reference_sum(bufs: &[&[f32]], out: &mut [f32]) {
+    let w = bufs.len();
+    for (i, o) in out.iter_mut().enumerate() {
+        let c = i % w;
+        let mut acc = bufs[c][i];
+        for k in 1..w {
+            acc += bufs[(c + k) % w][i];
+        }
+        *o = acc;
+    }
+}
 /// f32 values as little-endian bytes (appended to `out`).
 pub fn f32_bytes(v: &[f32], out: &mut Vec<u8>) {
     out.reserve(v.len() * 4);
@@ -190,6 +206,19 @@ pub fn bytes_f32(bytes: &[u8], out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn strided_chunks_count_every_index_once() {
+        for n in [0, 1, 2, 3, 7, 576, 1001] {
+            for w in 1..=5 {
+                let total: usize = (0..w).map(|c| strided_len(n, w, c)).sum();
+                assert_eq!(total, n, "n {n} world {w}");
+                for c in 0..w {
+                    assert_eq!(strided_len(n, w, c), (c..n).step_by(w).count());
+                }
+            }
+        }
+    }
 
     #[test]
     fn chunks_tile_the_buffer_for_awkward_sizes() {

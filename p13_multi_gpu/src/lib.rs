@@ -22,6 +22,7 @@ pub mod pp;
 pub mod runner;
 pub mod serve;
 pub mod shm;
+pub mod swap;
 pub mod tcp;
 pub mod threads;
 pub mod tp;

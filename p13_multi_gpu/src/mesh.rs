@@ -9,7 +9,7 @@
 //!   bytes out of each rank: best for small buffers (a decode step's
 //!   hidden rows);
 //! - **ring** (reduce-scatter, then all-gather): 2(W−1) rounds, each
-//!   moving one chunk of n/W to the next rank: 2(W−1)/W·n bytes out of
+//!   moving one chunk (the elements ≡ c mod W) to the next rank: 2(W−1)/W·n bytes out of
 //!   each rank, whatever W is. Best for large buffers (a long prefill).
 //!
 //! [`Algorithm::Auto`] picks direct up to a size, ring above it.
@@ -19,7 +19,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::comm::{
-    bytes_f32, chunk, f32_bytes, reference_sum, CommError, CommStats, Communicator, Op,
+    bytes_f32, f32_bytes, reference_sum, strided_len, CommError, CommStats, Communicator, Op,
 };
 use crate::frame::{Expected, Outgoing};
 
@@ -229,20 +229,22 @@ impl<T: Transport> Mesh<T> {
         })
     }
 
-    /// Reduce-scatter then all-gather around the ring r → r+1. In
-    /// reduce-scatter step s rank r sends chunk (r − s) and adds its own
-    /// values into chunk (r − s − 1) from rank r − 1; after W − 1 steps it
-    /// holds chunk (r + 1) summed from rank r + 1 on, in the reference order.
+    /// Reduce-scatter then all-gather around the ring r → r+1, chunk c
+    /// being the elements ≡ c (mod W). In reduce-scatter step s rank r
+    /// sends chunk (r − s) and adds its own values into chunk (r − s − 1)
+    /// from rank r − 1; after W − 1 steps it holds chunk (r + 1) summed
+    /// from rank r + 1 on, in the reference order.
     fn all_reduce_ring(&self, buf: &mut [f32]) -> Result<(), CommError> {
         let (r, w, n) = (self.rank, self.world, buf.len());
         let bytes = (0..2)
-            .flat_map(|phase| (0..w - 1).map(move |s| chunk(n, w, (r + phase + w - s) % w).len()))
+            .flat_map(|phase| (0..w - 1).map(move |s| strided_len(n, w, (r + phase + w - s) % w)))
             .sum::<usize>() as u64
             * 4;
         self.call(bytes, |st, deadline| {
             let seq = st.next_seq();
             let (next, prev) = ((r + 1) % w, (r + w - 1) % w);
             let mut got = Vec::new();
+            let mut vals: Vec<f32> = Vec::new();
             let mut partial = vec![0.0f32; 0];
             for phase in 0..2 {
                 for s in 0..w - 1 {
@@ -250,9 +252,10 @@ impl<T: Transport> Mesh<T> {
                     // chunk r + 1 − s.
                     let send_c = (r + phase + w - s) % w;
                     let recv_c = (r + phase + w - s - 1) % w;
-                    let (sr, rr) = (chunk(n, w, send_c), chunk(n, w, recv_c));
+                    vals.clear();
+                    vals.extend(buf.iter().skip(send_c).step_by(w));
                     st.out.clear();
-                    f32_bytes(&buf[sr], &mut st.out);
+                    f32_bytes(&vals, &mut st.out);
                     let State { transport, out, .. } = st;
                     transport.exchange(
                         &[Outgoing {
@@ -265,19 +268,19 @@ impl<T: Transport> Mesh<T> {
                             peer: prev,
                             op: Op::AllReduce,
                             seq,
-                            len: Some(rr.len() as u64 * 4),
+                            len: Some(strided_len(n, w, recv_c) as u64 * 4),
                             into: &mut got,
                         }],
                         deadline,
                     )?;
-                    partial.resize(rr.len(), 0.0);
+                    partial.resize(strided_len(n, w, recv_c), 0.0);
                     bytes_f32(&got, &mut partial);
-                    let mine = &mut buf[rr];
+                    let mine = buf.iter_mut().skip(recv_c).step_by(w);
                     if phase == 0 {
                         // The partial sum of the ranks before, then this one.
-                        mine.iter_mut().zip(&partial).for_each(|(m, p)| *m += p);
+                        mine.zip(&partial).for_each(|(m, p)| *m += p);
                     } else {
-                        mine.copy_from_slice(&partial);
+                        mine.zip(&partial).for_each(|(m, p)| *m = *p);
                     }
                 }
             }
@@ -440,5 +443,13 @@ impl<T: Transport> Communicator for Mesh<T> {
 
     fn stats(&self) -> CommStats {
         self.state.lock().unwrap_or_else(|e| e.into_inner()).stats
+    }
+
+    fn broken(&self) -> Option<String> {
+        self.state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .broken
+            .clone()
     }
 }

@@ -23,6 +23,7 @@ use p08_continuous::{ModelRunner, StepPlan};
 use thiserror::Error;
 
 use crate::comm::{CommError, Communicator};
+use crate::swap::SwapComm;
 
 const STEP: u8 = 1;
 const STOP: u8 = 2;
@@ -37,12 +38,29 @@ pub enum RankError {
     Runner(#[from] RunnerError),
 }
 
+/// Rebuilds the world after a rank is lost: starts the other ranks again
+/// and returns rank 0's new communicator once they have loaded.
+pub type Restart = Box<
+    dyn FnMut() -> Result<Arc<dyn Communicator>, Box<dyn std::error::Error + Send + Sync>> + Send,
+>;
+
 /// Rank 0's runner: broadcast, then run its own slice.
-#[derive(Debug)]
 pub struct TpRunner<R: ModelRunner> {
     local: R,
     comm: Arc<dyn Communicator>,
     msg: Vec<u8>,
+    /// Where a rebuilt world's communicator goes (the one rank 0's
+    /// projections call), and how to rebuild it.
+    recovery: Option<(Arc<SwapComm>, Restart)>,
+}
+
+impl<R: ModelRunner + std::fmt::Debug> std::fmt::Debug for TpRunner<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TpRunner")
+            .field("local", &self.local)
+            .field("recovers", &self.recovery.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl<R: ModelRunner> TpRunner<R> {
@@ -51,6 +69,40 @@ impl<R: ModelRunner> TpRunner<R> {
             local,
             comm,
             msg: Vec::new(),
+            recovery: None,
+        }
+    }
+
+    /// A runner that survives a lost rank: when a step fails because the
+    /// communicator broke, `restart` rebuilds the world, its communicator
+    /// goes into `swap` (which `local`'s model calls), and the step reports
+    /// [`RunnerError::Recovered`], so the core recomputes every running
+    /// sequence on the new ranks.
+    pub fn with_recovery(local: R, swap: Arc<SwapComm>, restart: Restart) -> TpRunner<R> {
+        TpRunner {
+            local,
+            comm: swap.clone(),
+            msg: Vec::new(),
+            recovery: Some((swap, restart)),
+        }
+    }
+
+    /// After a failed step: rebuild the world if a rank was lost.
+    fn recover(&mut self, e: RunnerError) -> RunnerError {
+        let (Some(why), Some((swap, restart))) = (self.comm.broken(), self.recovery.as_mut())
+        else {
+            return e;
+        };
+        eprintln!("rank 0: {why}; restarting the other ranks");
+        match restart() {
+            Ok(next) => {
+                swap.replace(next);
+                eprintln!("rank 0: the ranks are back; every running sequence recomputes");
+                RunnerError::Recovered(why)
+            }
+            Err(re) => {
+                RunnerError::Model(format!("{why}; restarting the ranks failed: {re}").into())
+            }
         }
     }
 
@@ -81,8 +133,10 @@ pub fn broadcast_stop(comm: &dyn Communicator) {
 
 impl<R: ModelRunner> ModelRunner for TpRunner<R> {
     fn execute(&mut self, plan: &StepPlan, logits: &mut Vec<f32>) -> Result<(), RunnerError> {
-        self.send(plan)?;
-        self.local.execute(plan, logits)
+        let ran = self
+            .send(plan)
+            .and_then(|()| self.local.execute(plan, logits));
+        ran.map_err(|e| self.recover(e))
     }
 
     fn apply(&mut self, ops: &[KvOp]) -> Result<(), RunnerError> {
@@ -91,8 +145,8 @@ impl<R: ModelRunner> ModelRunner for TpRunner<R> {
             ops: ops.to_vec(),
             ..StepPlan::default()
         };
-        self.send(&plan)?;
-        self.local.apply(ops)
+        let ran = self.send(&plan).and_then(|()| self.local.apply(ops));
+        ran.map_err(|e| self.recover(e))
     }
 
     fn layout(&self) -> KvLayout {

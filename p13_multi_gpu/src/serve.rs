@@ -17,6 +17,7 @@
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
+use std::process::Child;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,10 +31,12 @@ use p08_continuous::{ContinuousEngine, LocalRunner};
 use p09_kv_manager::serve::ServeArgs;
 use p09_kv_manager::PagedKv;
 
+use crate::comm::Communicator;
 use crate::frame::{Hello, PROTOCOL_VERSION};
 use crate::mesh::{Algorithm, Mesh};
 use crate::pp::{follow_stage, PpRunner, Stage};
-use crate::runner::{follow, TpRunner};
+use crate::runner::{follow, Restart, TpRunner};
+use crate::swap::SwapComm;
 use crate::tcp::{self, TcpLinks};
 use crate::tp::{load_part, load_rank, Weights};
 
@@ -124,7 +127,7 @@ impl SplitArgs {
     }
 
     /// This rank's part of the model, its collectives in place.
-    fn load(&self, rank: usize, path: &Path, comm: Arc<Mesh<TcpLinks>>) -> Result<LoadedEngine> {
+    fn load(&self, rank: usize, path: &Path, comm: Arc<dyn Communicator>) -> Result<LoadedEngine> {
         let what = || format!("rank {rank} loading {}", path.display());
         if self.pp > 1 {
             let split = Split::stage(rank, self.pp)?;
@@ -219,10 +222,15 @@ pub async fn serve(mut a: TpServeArgs) -> Result<()> {
     let split = a.split.clone();
     p06_server::server::serve_model(&a.serve.listen, move |path, name| {
         let layout = split.layout_hash(path, paged.block_size, kv_mib)?;
-        if spawn && split.world() > 1 {
-            start_ranks(&split, path, paged.block_size, kv_mib)?;
-        }
-        let comm = Arc::new(split.join(0, &listener, layout)?);
+        let children = match spawn && split.world() > 1 {
+            true => start_ranks(&split, path, paged.block_size, kv_mib)?,
+            false => Vec::new(),
+        };
+        let joined: Arc<dyn Communicator> = Arc::new(split.join(0, &listener, layout)?);
+        // Rank 0's projections call the world through `swap`, so that a
+        // rebuilt world can replace it.
+        let swap = Arc::new(SwapComm::new(joined));
+        let comm: Arc<dyn Communicator> = swap.clone();
         let (engine, tokenizer) =
             p06_server::load::with_tokenizer(path, split.load(0, path, comm.clone())?)?;
         let kv = PagedKv::new(
@@ -231,9 +239,19 @@ pub async fn serve(mut a: TpServeArgs) -> Result<()> {
             config.kv_cache_bytes,
             !paged.no_prefix_caching,
         )?;
-        crate::comm::Communicator::barrier(&*comm).context("waiting for every rank to load")?;
+        comm.barrier().context("waiting for every rank to load")?;
         let info = common::Model::info(&engine).clone();
         let (engine, tokenizer) = (Arc::new(engine), Arc::new(tokenizer));
+        let restart = spawn.then(|| {
+            restarter(
+                split.clone(),
+                path.to_path_buf(),
+                paged.block_size,
+                kv_mib,
+                layout,
+                children,
+            )
+        });
         let engine = match split.pp > 1 {
             true => {
                 let micro = split.pp;
@@ -252,7 +270,13 @@ pub async fn serve(mut a: TpServeArgs) -> Result<()> {
                 name,
                 config,
                 kv,
-                move |storage| TpRunner::new(LocalRunner::new(engine, storage), comm),
+                move |storage| {
+                    let local = LocalRunner::new(engine, storage);
+                    match restart {
+                        Some(r) => TpRunner::with_recovery(local, swap, r),
+                        None => TpRunner::new(local, comm),
+                    }
+                },
             )?,
         };
         Ok(Arc::new(engine))
@@ -270,10 +294,50 @@ fn job_token() -> u64 {
     )
 }
 
+/// How rank 0 rebuilds a world it started itself when a rank is lost: the
+/// old ranks are stopped and reaped (a survivor would leave anyway, its
+/// links broken), new ones start on new ports under a new token, join and
+/// load their slices; rank 0 keeps its own.
+fn restarter(
+    split: SplitArgs,
+    model: PathBuf,
+    block_size: usize,
+    kv_mib: usize,
+    layout: u64,
+    mut children: Vec<Child>,
+) -> Restart {
+    Box::new(move || {
+        for c in children.iter_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let mut next = split.clone();
+        let ls = (0..split.world())
+            .map(|_| TcpListener::bind("127.0.0.1:0"))
+            .collect::<std::io::Result<Vec<_>>>()?;
+        next.peers = ls
+            .iter()
+            .map(|l| l.local_addr())
+            .collect::<std::io::Result<_>>()?;
+        next.token = Some(job_token());
+        let listener = ls.into_iter().next().ok_or("no listener")?;
+        children = start_ranks(&next, &model, block_size, kv_mib)?;
+        let comm = next.join(0, &listener, layout)?;
+        comm.barrier()?;
+        Ok(Arc::new(comm) as Arc<dyn Communicator>)
+    })
+}
+
 /// Ranks 1.. as child processes of this one.
-fn start_ranks(split: &SplitArgs, model: &Path, block_size: usize, kv_mib: usize) -> Result<()> {
+fn start_ranks(
+    split: &SplitArgs,
+    model: &Path,
+    block_size: usize,
+    kv_mib: usize,
+) -> Result<Vec<Child>> {
     let exe = std::env::current_exe().context("finding this program to start the ranks")?;
     let peers: Vec<String> = split.peers.iter().map(|p| p.to_string()).collect();
+    let mut children = Vec::new();
     for rank in 1..split.world() {
         let mut cmd = std::process::Command::new(&exe);
         cmd.arg("rank")
@@ -295,20 +359,19 @@ fn start_ranks(split: &SplitArgs, model: &Path, block_size: usize, kv_mib: usize
         if split.vocab_parallel_head {
             cmd.arg("--vocab-parallel-head");
         }
-        cmd.spawn()
-            .with_context(|| format!("starting rank {rank} ({})", exe.display()))?;
+        children.push(
+            cmd.spawn()
+                .with_context(|| format!("starting rank {rank} ({})", exe.display()))?,
+        );
     }
-    Ok(())
+    Ok(children)
 }
 
 /// A rank other than 0: join, load, follow rank 0's plans.
 pub fn rank(a: RankArgs) -> Result<()> {
-    // A rank started by rank 0 goes when it goes.
-    // SAFETY: prctl(PR_SET_PDEATHSIG) takes a signal number and changes
-    // only this process's own death signal.
-    unsafe {
-        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
-    }
+    // A rank started by rank 0 goes when rank 0 does: its links break and
+    // `follow` returns the error (not PR_SET_PDEATHSIG, which fires when
+    // the *thread* that spawned it ends, and rank 0's loading thread does).
     let s = &a.split;
     s.check()?;
     if a.rank == 0 || a.rank >= s.world() || s.peers.len() != s.world() {
@@ -331,7 +394,7 @@ pub fn rank(a: RankArgs) -> Result<()> {
         false,
     )?;
     let storage = kv.new_storage();
-    crate::comm::Communicator::barrier(&*comm).context("waiting for every rank to load")?;
+    comm.barrier().context("waiting for every rank to load")?;
     let what = || format!("rank {}", a.rank);
     if s.pp > 1 {
         let mut stage = Stage::new(&loaded.engine, storage);

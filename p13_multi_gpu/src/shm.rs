@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use memmap2::MmapMut;
 
-use crate::comm::{chunk, CommError, CommStats, Communicator, Op};
+use crate::comm::{CommError, CommStats, Communicator, Op};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"ILSHM\0\0\x01");
 const HEADER: usize = 64;
@@ -356,8 +356,7 @@ impl Communicator for ShmComm {
 
     fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), CommError> {
         let (w, per) = (self.world, SLOT_BYTES / 4);
-        // Pieces of one slot each, summed in the reference order of the
-        // whole buffer's chunks (a piece may hold parts of several).
+        // Pieces of one slot each, each element summed in the reference order.
         self.call((buf.len() * 4) as u64, |st| {
             let seq = st.seq;
             let n = buf.len();
@@ -374,23 +373,14 @@ impl Communicator for ShmComm {
                     crate::comm::bytes_f32(b, &mut vals[p]);
                     Ok(())
                 })?;
-                // Sum this piece chunk by chunk of the whole buffer.
-                for c in 0..w {
-                    let ch = chunk(n, w, c);
-                    let (lo, hi) = (ch.start.max(start), ch.end.min(end));
-                    if lo >= hi {
-                        continue;
+                // Element i summed from rank i mod W on (the reference order).
+                for (j, o) in buf[start..end].iter_mut().enumerate() {
+                    let c = (start + j) % w;
+                    let mut acc = vals[c][j];
+                    for k in 1..w {
+                        acc += vals[(c + k) % w][j];
                     }
-                    let ordered: Vec<&[f32]> = (0..w)
-                        .map(|k| &vals[(c + k) % w][lo - start..hi - start])
-                        .collect();
-                    // The reference sum of one chunk: a world of 1 chunk
-                    // starting at rank c, so `ordered` is already rotated.
-                    let out = &mut buf[lo..hi];
-                    out.copy_from_slice(ordered[0]);
-                    for o in &ordered[1..] {
-                        out.iter_mut().zip(o.iter()).for_each(|(a, b)| *a += b);
-                    }
+                    *o = acc;
                 }
                 st.vals = vals;
                 start = end;
@@ -503,5 +493,13 @@ impl Communicator for ShmComm {
 
     fn stats(&self) -> CommStats {
         self.state.lock().unwrap_or_else(|e| e.into_inner()).stats
+    }
+
+    fn broken(&self) -> Option<String> {
+        self.state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .broken
+            .clone()
     }
 }

@@ -1,0 +1,182 @@
+//! A lost rank is survived: while 8 streams decode on the TP = 3 server
+//! (native weights, ranks as processes), rank 2's process is killed. Rank
+//! 0 notices at once (its link breaks), starts the ranks again (they
+//! reload their slices) and recomputes every running sequence, as after a
+//! preemption: every stream finishes, with exactly the text it has with
+//! no rank lost, and no client sees an error.
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use support::MODEL;
+
+const PROMPTS: [&str; 8] = [
+    "What is the capital of France?",
+    "Write a haiku about the sea in winter.",
+    "Explain in two sentences why the sky is blue.",
+    "List three uses of a paperclip.",
+    "Who wrote Romeo and Juliet?",
+    "Translate to French: the cat sleeps on the warm windowsill.",
+    "Write a Python function that reverses a string.",
+    "Give me a short recipe for pancakes.",
+];
+
+/// A greedy streamed chat answer; `deltas` counts content chunks as they come.
+async fn stream(url: String, prompt: &str, deltas: Arc<AtomicUsize>) -> Result<String, String> {
+    let body = json!({"model": MODEL, "max_tokens": 40, "temperature": 0, "stream": true,
+                      "messages": [{"role": "user", "content": prompt}]});
+    let mut resp = reqwest::Client::new()
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&body)
+        .timeout(Duration::from_secs(600))
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    if !resp.status().is_success() {
+        return Err(format!("status {}", resp.status()));
+    }
+    let mut dec = common::client::SseDecoder::default();
+    let mut text = String::new();
+    while let Some(chunk) = resp.chunk().await.map_err(|e| e.to_string())? {
+        for ev in dec.push(&chunk) {
+            if ev == "[DONE]" {
+                continue;
+            }
+            let v: Value = serde_json::from_str(&ev).map_err(|e| e.to_string())?;
+            if v.get("error").is_some() {
+                return Err(ev);
+            }
+            if let Some(t) = common::client::chunk_text(&v) {
+                text.push_str(t);
+                deltas.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    }
+    Ok(text)
+}
+
+async fn all_streams(url: &str, deltas: Arc<AtomicUsize>) -> Vec<Result<String, String>> {
+    let tasks: Vec<_> = PROMPTS
+        .iter()
+        .map(|p| tokio::spawn(stream(url.to_string(), p, deltas.clone())))
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+/// The pid of rank `rank`, a child of `parent`.
+fn rank_pid(parent: u32, rank: usize) -> Option<i32> {
+    let want = format!("rank\0--rank\0{rank}\0");
+    for e in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // stat: pid (comm) state ppid ...
+        let ppid = stat
+            .rsplit(')')
+            .next()
+            .and_then(|r| r.split_whitespace().nth(1));
+        if String::from_utf8_lossy(&cmd).contains(&want) && ppid == Some(&parent.to_string()) {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+#[test]
+fn a_killed_rank_is_restarted_and_every_stream_finishes_as_if_nothing_happened() {
+    let path =
+        common::assets::ensure(common::assets::Asset::SmolLm2).unwrap_or_else(|e| panic!("{e}"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_p13_multi_gpu"))
+        .args([
+            "serve",
+            "--model",
+            path.to_str().unwrap(),
+            "--port",
+            "0",
+            "--tp",
+            "3",
+        ])
+        .args([
+            "--weights",
+            "native",
+            "--kv-cache-mib",
+            "256",
+            "--shutdown-grace-s",
+            "1",
+        ])
+        .args(["--served-model-name", MODEL, "--collective-timeout-s", "30"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut url = None;
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        if let Some(rest) = line.strip_prefix("listening on ") {
+            url = rest.split_whitespace().next().map(str::to_string);
+        }
+        if line.starts_with("ready") {
+            break;
+        }
+    }
+    let url = url.expect("the server printed its address");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    // 1. The answers with no rank lost.
+    let want = rt.block_on(all_streams(&url, Arc::new(AtomicUsize::new(0))));
+    // 2. The same 8 streams; rank 2 is killed once they have begun.
+    let old = rank_pid(child.id(), 2).expect("rank 2 runs as a child of rank 0");
+    let deltas = Arc::new(AtomicUsize::new(0));
+    let (got, killed_after) = rt.block_on(async {
+        let run = tokio::spawn({
+            let (url, deltas) = (url.clone(), deltas.clone());
+            async move { all_streams(&url, deltas).await }
+        });
+        let t0 = Instant::now();
+        while deltas.load(Ordering::SeqCst) < 16 && t0.elapsed() < Duration::from_secs(120) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let killed_after = deltas.load(Ordering::SeqCst);
+        // SAFETY: kill(2) of a process this test's server started.
+        unsafe {
+            libc::kill(old, libc::SIGKILL);
+        }
+        (run.await.unwrap(), killed_after)
+    });
+    // 3. The world is whole again: rank 2 is a new process.
+    let new = rank_pid(child.id(), 2);
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let _ = child.wait();
+    let total: usize = want.iter().map(|w| w.as_ref().map_or(0, |t| t.len())).sum();
+    assert!(
+        killed_after >= 16 && killed_after < total,
+        "the kill came mid-stream ({killed_after} chunks in)"
+    );
+    for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+        let w = w
+            .as_ref()
+            .unwrap_or_else(|e| panic!("reference stream {i}: {e}"));
+        let g = g
+            .as_ref()
+            .unwrap_or_else(|e| panic!("stream {i} failed across the lost rank: {e}"));
+        assert_eq!(g, w, "stream {i}: the text changed across the lost rank");
+    }
+    assert!(
+        new.is_some_and(|p| p != old),
+        "rank 2 was restarted ({old} → {new:?})"
+    );
+}
