@@ -174,6 +174,20 @@ fn check(path: &Path, weights: Weights, head: HeadSplit, world: usize, prompt: &
     .unwrap();
     let (want_toks, want_logits) = greedy(&whole.engine, prompt);
     let tol = tolerance(&mut whole.engine, weights, prompt, &want_toks);
+    // Greedy tokens are only certain where the top choice leads the
+    // second by more than twice the bar; with native weights that is rarely
+    // so (see the README), and this prompt's path is checked as it is.
+    for (step, l) in want_logits.iter().enumerate().take(STEPS) {
+        let mut top = [f32::NEG_INFINITY; 2];
+        for &x in l {
+            if x > top[0] {
+                top = [x, top[0]];
+            } else if x > top[1] {
+                top[1] = x;
+            }
+        }
+        eprintln!("{what}: step {step}: top-2 margin {}", top[0] - top[1]);
+    }
     let whole_bytes = weight_bytes(&whole.engine.model).0;
     let head_bytes = whole.engine.model.lm_head.weights().weight_bytes();
     let whole_kv_heads = common::BatchModel::kv_shape(&whole.engine).n_kv_head;
@@ -241,8 +255,12 @@ fn tiny_llama_at_tp_2_equals_one_process() {
 
 #[test]
 fn smollm2_at_tp_3_equals_one_process_f32_and_native() {
-    // Seven ids of SmolLM2's vocabulary.
-    let prompt = [504, 3575, 282, 4649, 314, 253, 1345];
+    let path = smollm2();
+    let tok = p04_transformer::Tokenizer::from_gguf(
+        &p04_transformer::GgufFile::open(&path).unwrap().header,
+    )
+    .unwrap();
+    let prompt = tok.encode("The capital of France is Paris. The capital of Italy is");
     check(&smollm2(), Weights::F32, HeadSplit::Replicated, 3, &prompt);
     check(
         &smollm2(),
