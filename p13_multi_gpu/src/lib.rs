@@ -15,6 +15,8 @@
 
 #[cfg(feature = "bench")]
 pub mod bench;
+#[cfg(feature = "bench")]
+pub mod bench_decode;
 pub mod comm;
 pub mod frame;
 pub mod mesh;

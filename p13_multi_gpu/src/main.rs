@@ -25,6 +25,9 @@ enum Cmd {
     /// All-reduce latency and bandwidth, 4 B to 64 MiB, over threads and TCP, beside torch's gloo.
     #[cfg(feature = "bench")]
     BenchAllreduce(p13_multi_gpu::bench::AllReduceArgs),
+    /// One sequence's prefill and decode at TP = 1 and 3 and PP = 3 (ranks as threads), communication's share, bytes per rank.
+    #[cfg(feature = "bench")]
+    BenchDecode(p13_multi_gpu::bench_decode::DecodeArgs),
 }
 
 fn main() -> Result<()> {
@@ -36,5 +39,7 @@ fn main() -> Result<()> {
         Cmd::Rank(a) => p13_multi_gpu::serve::rank(a),
         #[cfg(feature = "bench")]
         Cmd::BenchAllreduce(a) => p13_multi_gpu::bench::all_reduce(&a),
+        #[cfg(feature = "bench")]
+        Cmd::BenchDecode(a) => p13_multi_gpu::bench_decode::run(&a),
     }
 }
