@@ -26,7 +26,7 @@ use p08_continuous::scheduler::SeqId;
 use p08_continuous::{ModelRunner, StepPlan};
 
 use crate::comm::{bytes_f32, chunk, f32_bytes, CommError, Communicator};
-use crate::runner::{broadcast_plan, broadcast_stop, follow_plans, RankError};
+use crate::runner::{broadcast_plan, broadcast_stop, follow_plans, RankError, Recovery};
 
 fn comm_err(e: CommError) -> RunnerError {
     RunnerError::Model(Box::new(e))
@@ -99,12 +99,21 @@ pub fn micro_batches(n: usize, m: usize) -> Vec<Range<usize>> {
 
 /// Rank 0, stage 0: broadcast, run its layers micro-batch by micro-batch,
 /// send each on, collect the logits from the last stage.
-#[derive(Debug)]
 pub struct PpRunner<P: Deref<Target = LlamaEngine>, S: KvStorage> {
     stage: Stage<P, S>,
     comm: Arc<dyn Communicator>,
     micro: usize,
     msg: Vec<u8>,
+    recovery: Option<Recovery>,
+}
+
+impl<P: Deref<Target = LlamaEngine>, S: KvStorage> std::fmt::Debug for PpRunner<P, S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PpRunner")
+            .field("micro", &self.micro)
+            .field("recovers", &self.recovery.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl<P: Deref<Target = LlamaEngine>, S: KvStorage> PpRunner<P, S> {
@@ -114,38 +123,26 @@ impl<P: Deref<Target = LlamaEngine>, S: KvStorage> PpRunner<P, S> {
             comm,
             micro,
             msg: Vec::new(),
+            recovery: None,
+        }
+    }
+
+    /// A runner that survives a lost stage (see [`crate::runner::TpRunner::with_recovery`]).
+    pub fn with_recovery(stage: Stage<P, S>, recovery: Recovery, micro: usize) -> Self {
+        PpRunner {
+            stage,
+            comm: recovery.swap.clone(),
+            micro,
+            msg: Vec::new(),
+            recovery: Some(recovery),
         }
     }
 }
 
 impl<P: Deref<Target = LlamaEngine>, S: KvStorage> PpRunner<P, S> {
-    /// Micro-batch `mb`'s logits from the last stage into its rows.
-    fn take_logits(
-        &mut self,
-        mb: &Range<usize>,
-        logits: &mut [f32],
-        vocab: usize,
-    ) -> Result<(), RunnerError> {
-        let last = self.comm.world() - 1;
-        self.comm.recv(last, &mut self.msg).map_err(comm_err)?;
-        let rows = &mut logits[mb.start * vocab..mb.end * vocab];
-        if self.msg.len() != rows.len() * 4 {
-            return Err(comm_err(CommError::Usage {
-                rank: 0,
-                what: format!(
-                    "the last stage sent {} bytes of logits for {} rows",
-                    self.msg.len(),
-                    mb.len()
-                ),
-            }));
-        }
-        bytes_f32(&self.msg, rows);
-        Ok(())
-    }
-}
-
-impl<P: Deref<Target = LlamaEngine>, S: KvStorage> ModelRunner for PpRunner<P, S> {
-    fn execute(&mut self, plan: &StepPlan, logits: &mut Vec<f32>) -> Result<(), RunnerError> {
+    /// One step: broadcast, each micro-batch through this stage and on,
+    /// the logits back from the last stage.
+    fn execute_once(&mut self, plan: &StepPlan, logits: &mut Vec<f32>) -> Result<(), RunnerError> {
         let world = self.comm.world();
         let vocab = common::Model::info(&*self.stage.model).vocab_size;
         broadcast_plan(&*self.comm, plan, &mut self.msg)?;
@@ -192,13 +189,45 @@ impl<P: Deref<Target = LlamaEngine>, S: KvStorage> ModelRunner for PpRunner<P, S
         Ok(())
     }
 
+    /// Micro-batch `mb`'s logits from the last stage into its rows.
+    fn take_logits(
+        &mut self,
+        mb: &Range<usize>,
+        logits: &mut [f32],
+        vocab: usize,
+    ) -> Result<(), RunnerError> {
+        let last = self.comm.world() - 1;
+        self.comm.recv(last, &mut self.msg).map_err(comm_err)?;
+        let rows = &mut logits[mb.start * vocab..mb.end * vocab];
+        if self.msg.len() != rows.len() * 4 {
+            return Err(comm_err(CommError::Usage {
+                rank: 0,
+                what: format!(
+                    "the last stage sent {} bytes of logits for {} rows",
+                    self.msg.len(),
+                    mb.len()
+                ),
+            }));
+        }
+        bytes_f32(&self.msg, rows);
+        Ok(())
+    }
+}
+
+impl<P: Deref<Target = LlamaEngine>, S: KvStorage> ModelRunner for PpRunner<P, S> {
+    fn execute(&mut self, plan: &StepPlan, logits: &mut Vec<f32>) -> Result<(), RunnerError> {
+        let ran = self.execute_once(plan, logits);
+        ran.map_err(|e| Recovery::recover(self.recovery.as_mut(), &*self.comm, e))
+    }
+
     fn apply(&mut self, ops: &[KvOp]) -> Result<(), RunnerError> {
         let plan = StepPlan {
             ops: ops.to_vec(),
             ..StepPlan::default()
         };
-        broadcast_plan(&*self.comm, &plan, &mut self.msg)?;
-        self.stage.apply(ops)
+        let ran =
+            broadcast_plan(&*self.comm, &plan, &mut self.msg).and_then(|()| self.stage.apply(ops));
+        ran.map_err(|e| Recovery::recover(self.recovery.as_mut(), &*self.comm, e))
     }
 
     fn layout(&self) -> KvLayout {

@@ -44,14 +44,50 @@ pub type Restart = Box<
     dyn FnMut() -> Result<Arc<dyn Communicator>, Box<dyn std::error::Error + Send + Sync>> + Send,
 >;
 
+/// How rank 0 survives a lost rank: where a rebuilt world's communicator
+/// goes (the one its runner and model call) and how to rebuild it.
+pub struct Recovery {
+    pub swap: Arc<SwapComm>,
+    pub restart: Restart,
+}
+
+impl std::fmt::Debug for Recovery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Recovery").finish_non_exhaustive()
+    }
+}
+
+impl Recovery {
+    /// After a failed step: if `comm` broke (a rank was lost), rebuild the
+    /// world and answer [`RunnerError::Recovered`]; else `e` as it is.
+    pub fn recover(
+        this: Option<&mut Recovery>,
+        comm: &dyn Communicator,
+        e: RunnerError,
+    ) -> RunnerError {
+        let (Some(why), Some(r)) = (comm.broken(), this) else {
+            return e;
+        };
+        eprintln!("rank 0: {why}; restarting the other ranks");
+        match (r.restart)() {
+            Ok(next) => {
+                r.swap.replace(next);
+                eprintln!("rank 0: the ranks are back; every running sequence recomputes");
+                RunnerError::Recovered(why)
+            }
+            Err(re) => {
+                RunnerError::Model(format!("{why}; restarting the ranks failed: {re}").into())
+            }
+        }
+    }
+}
+
 /// Rank 0's runner: broadcast, then run its own slice.
 pub struct TpRunner<R: ModelRunner> {
     local: R,
     comm: Arc<dyn Communicator>,
     msg: Vec<u8>,
-    /// Where a rebuilt world's communicator goes (the one rank 0's
-    /// projections call), and how to rebuild it.
-    recovery: Option<(Arc<SwapComm>, Restart)>,
+    recovery: Option<Recovery>,
 }
 
 impl<R: ModelRunner + std::fmt::Debug> std::fmt::Debug for TpRunner<R> {
@@ -74,36 +110,21 @@ impl<R: ModelRunner> TpRunner<R> {
     }
 
     /// A runner that survives a lost rank: when a step fails because the
-    /// communicator broke, `restart` rebuilds the world, its communicator
-    /// goes into `swap` (which `local`'s model calls), and the step reports
-    /// [`RunnerError::Recovered`], so the core recomputes every running
-    /// sequence on the new ranks.
-    pub fn with_recovery(local: R, swap: Arc<SwapComm>, restart: Restart) -> TpRunner<R> {
+    /// communicator broke, the world is rebuilt, its communicator goes
+    /// into `recovery.swap` (which `local`'s model calls), and the step
+    /// reports [`RunnerError::Recovered`], so the core recomputes every
+    /// running sequence on the new ranks.
+    pub fn with_recovery(local: R, recovery: Recovery) -> TpRunner<R> {
         TpRunner {
             local,
-            comm: swap.clone(),
+            comm: recovery.swap.clone(),
             msg: Vec::new(),
-            recovery: Some((swap, restart)),
+            recovery: Some(recovery),
         }
     }
 
-    /// After a failed step: rebuild the world if a rank was lost.
     fn recover(&mut self, e: RunnerError) -> RunnerError {
-        let (Some(why), Some((swap, restart))) = (self.comm.broken(), self.recovery.as_mut())
-        else {
-            return e;
-        };
-        eprintln!("rank 0: {why}; restarting the other ranks");
-        match restart() {
-            Ok(next) => {
-                swap.replace(next);
-                eprintln!("rank 0: the ranks are back; every running sequence recomputes");
-                RunnerError::Recovered(why)
-            }
-            Err(re) => {
-                RunnerError::Model(format!("{why}; restarting the ranks failed: {re}").into())
-            }
-        }
+        Recovery::recover(self.recovery.as_mut(), &*self.comm, e)
     }
 
     fn send(&mut self, plan: &StepPlan) -> Result<(), RunnerError> {

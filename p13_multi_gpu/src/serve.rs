@@ -35,7 +35,7 @@ use crate::comm::Communicator;
 use crate::frame::{Hello, PROTOCOL_VERSION};
 use crate::mesh::{Algorithm, Mesh};
 use crate::pp::{follow_stage, PpRunner, Stage};
-use crate::runner::{follow, Restart, TpRunner};
+use crate::runner::{follow, Recovery, Restart, TpRunner};
 use crate::swap::SwapComm;
 use crate::tcp::{self, TcpLinks};
 use crate::tp::{load_part, load_rank, Weights};
@@ -242,15 +242,16 @@ pub async fn serve(mut a: TpServeArgs) -> Result<()> {
         comm.barrier().context("waiting for every rank to load")?;
         let info = common::Model::info(&engine).clone();
         let (engine, tokenizer) = (Arc::new(engine), Arc::new(tokenizer));
-        let restart = spawn.then(|| {
-            restarter(
+        let recovery = spawn.then(|| Recovery {
+            swap,
+            restart: restarter(
                 split.clone(),
                 path.to_path_buf(),
                 paged.block_size,
                 kv_mib,
                 layout,
                 children,
-            )
+            ),
         });
         let engine = match split.pp > 1 {
             true => {
@@ -261,7 +262,13 @@ pub async fn serve(mut a: TpServeArgs) -> Result<()> {
                     name,
                     config,
                     kv,
-                    move |storage| PpRunner::new(Stage::new(engine, storage), comm, micro),
+                    move |storage| {
+                        let stage = Stage::new(engine, storage);
+                        match recovery {
+                            Some(r) => PpRunner::with_recovery(stage, r, micro),
+                            None => PpRunner::new(stage, comm, micro),
+                        }
+                    },
                 )?
             }
             false => ContinuousEngine::start_with_runner(
@@ -272,8 +279,8 @@ pub async fn serve(mut a: TpServeArgs) -> Result<()> {
                 kv,
                 move |storage| {
                     let local = LocalRunner::new(engine, storage);
-                    match restart {
-                        Some(r) => TpRunner::with_recovery(local, swap, r),
+                    match recovery {
+                        Some(r) => TpRunner::with_recovery(local, r),
                         None => TpRunner::new(local, comm),
                     }
                 },

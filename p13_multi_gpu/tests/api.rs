@@ -21,15 +21,8 @@ fn served(split: &[&str]) {
     let path =
         common::assets::ensure(common::assets::Asset::SmolLm2).unwrap_or_else(|e| panic!("{e}"));
     let mut child = Command::new(env!("CARGO_BIN_EXE_p13_multi_gpu"))
-        .args([
-            "serve",
-            "--model",
-            path.to_str().unwrap(),
-            "--port",
-            "0",
-            "--tp",
-            "3",
-        ])
+        .args(["serve", "--model", path.to_str().unwrap(), "--port", "0"])
+        .args(split)
         .args([
             "--weights",
             "f32",

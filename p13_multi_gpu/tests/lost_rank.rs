@@ -1,5 +1,6 @@
 //! A lost rank is survived: while 8 streams decode on the TP = 3 server
-//! (native weights, ranks as processes), rank 2's process is killed. Rank
+//! and on the PP = 3 one (native weights, ranks as processes), rank 2's
+//! process is killed. Rank
 //! 0 notices at once (its link breaks), starts the ranks again (they
 //! reload their slices) and recomputes every running sequence, as after a
 //! preemption: every stream finishes, with exactly the text it has with
@@ -96,18 +97,20 @@ fn rank_pid(parent: u32, rank: usize) -> Option<i32> {
 
 #[test]
 fn a_killed_rank_is_restarted_and_every_stream_finishes_as_if_nothing_happened() {
+    survive(&["--tp", "3"]);
+}
+
+#[test]
+fn a_killed_pipeline_stage_is_restarted_likewise() {
+    survive(&["--pp", "3"]);
+}
+
+/// The server with `split` (native weights), 8 streams, rank 2 killed.
+fn survive(split: &[&str]) {
     let path =
         common::assets::ensure(common::assets::Asset::SmolLm2).unwrap_or_else(|e| panic!("{e}"));
     let mut child = Command::new(env!("CARGO_BIN_EXE_p13_multi_gpu"))
-        .args([
-            "serve",
-            "--model",
-            path.to_str().unwrap(),
-            "--port",
-            "0",
-            "--tp",
-            "3",
-        ])
+        .args(["serve", "--model", path.to_str().unwrap(), "--port", "0"])
         .args([
             "--weights",
             "native",
@@ -117,6 +120,7 @@ fn a_killed_rank_is_restarted_and_every_stream_finishes_as_if_nothing_happened()
             "1",
         ])
         .args(["--served-model-name", MODEL, "--collective-timeout-s", "30"])
+        .args(split)
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -173,7 +177,10 @@ fn a_killed_rank_is_restarted_and_every_stream_finishes_as_if_nothing_happened()
         let g = g
             .as_ref()
             .unwrap_or_else(|e| panic!("stream {i} failed across the lost rank: {e}"));
-        assert_eq!(g, w, "stream {i}: the text changed across the lost rank");
+        assert_eq!(
+            g, w,
+            "{split:?} stream {i}: the text changed across the lost rank"
+        );
     }
     assert!(
         new.is_some_and(|p| p != old),
