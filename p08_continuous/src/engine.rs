@@ -257,7 +257,11 @@ fn model_thread<B: KvBackend, R: ModelRunner>(
             .stats
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .observe(&out, step_s, kv_bytes, core.kv().metrics());
+            .observe(&out, step_s, kv_bytes, {
+                let mut m = core.kv().metrics();
+                m.extend(core.runner().metrics());
+                m
+            });
         stream(tok, gauges, &core, out);
     }
 }

@@ -125,6 +125,12 @@ pub trait ModelRunner {
     /// Write `buf` into a sequence's K/V (allocated by the core), refusing
     /// a buffer whose layout is not this storage's.
     fn import_kv(&mut self, id: SeqId, kv: &SeqKv, buf: &KvBuffer) -> Result<(), RunnerError>;
+
+    /// The runner's own metrics for `/metrics` (Project 13's: ranks, time
+    /// in collectives, restarts). None by default.
+    fn metrics(&self) -> Vec<crate::kv_backend::KvMetric> {
+        Vec::new()
+    }
 }
 
 /// A runner's K/V memory: per layer, the K/V of the heads it owns.

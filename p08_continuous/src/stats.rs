@@ -31,7 +31,7 @@ pub struct StepStats {
     pub preemptions: u64,
     pub kv_cache_bytes: usize,
     pub kv_capacity_bytes: usize,
-    /// The K/V backend's own metrics, as of the last step.
+    /// The K/V backend's and the runner's own metrics, as of the last step.
     pub kv_metrics: Vec<KvMetric>,
 }
 

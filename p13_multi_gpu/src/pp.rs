@@ -245,6 +245,13 @@ impl<P: Deref<Target = LlamaEngine>, S: KvStorage> ModelRunner for PpRunner<P, S
             "importing K/V into pipeline stages is not supported".into(),
         ))
     }
+
+    fn metrics(&self) -> Vec<p08_continuous::kv_backend::KvMetric> {
+        crate::runner::world_metrics(
+            &*self.comm,
+            self.recovery.as_ref().map_or(0, |r| r.restarts),
+        )
+    }
 }
 
 impl<P: Deref<Target = LlamaEngine>, S: KvStorage> Drop for PpRunner<P, S> {

@@ -16,6 +16,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use p08_continuous::kv_backend::KvMetric;
 use p08_continuous::kv_transfer::{KvBuffer, KvLayout};
 use p08_continuous::runner::{KvOp, RunnerError, SeqKv};
 use p08_continuous::scheduler::SeqId;
@@ -49,6 +50,52 @@ pub type Restart = Box<
 pub struct Recovery {
     pub swap: Arc<SwapComm>,
     pub restart: Restart,
+    /// Worlds rebuilt so far.
+    pub restarts: u64,
+}
+
+/// Rank 0's view of its world for `/metrics`: the ranks, its time and
+/// bytes in collectives (waits for slower ranks included), and restarts.
+pub fn world_metrics(comm: &dyn Communicator, restarts: u64) -> Vec<KvMetric> {
+    let s = comm.stats();
+    let m = |name, help, kind, value| KvMetric {
+        name,
+        help,
+        kind,
+        value,
+    };
+    vec![
+        m(
+            "inference_lab:ranks",
+            "Ranks the model is split over.",
+            "gauge",
+            comm.world() as f64,
+        ),
+        m(
+            "inference_lab:collective_seconds_total",
+            "Seconds rank 0 spent in collectives and stage hand-offs, waiting included.",
+            "counter",
+            s.seconds,
+        ),
+        m(
+            "inference_lab:collectives_total",
+            "Collectives and messages rank 0 completed.",
+            "counter",
+            s.calls as f64,
+        ),
+        m(
+            "inference_lab:collective_bytes_sent_total",
+            "Payload bytes rank 0 sent to other ranks.",
+            "counter",
+            s.bytes_sent as f64,
+        ),
+        m(
+            "inference_lab:rank_restarts_total",
+            "Times the other ranks were restarted after one was lost.",
+            "counter",
+            restarts as f64,
+        ),
+    ]
 }
 
 impl std::fmt::Debug for Recovery {
@@ -72,6 +119,7 @@ impl Recovery {
         match (r.restart)() {
             Ok(next) => {
                 r.swap.replace(next);
+                r.restarts += 1;
                 eprintln!("rank 0: the ranks are back; every running sequence recomputes");
                 RunnerError::Recovered(why)
             }
@@ -184,6 +232,13 @@ impl<R: ModelRunner> ModelRunner for TpRunner<R> {
         Err(RunnerError::Storage(
             "importing K/V into tensor-parallel ranks is not supported".into(),
         ))
+    }
+
+    fn metrics(&self) -> Vec<KvMetric> {
+        world_metrics(
+            &*self.comm,
+            self.recovery.as_ref().map_or(0, |r| r.restarts),
+        )
     }
 }
 

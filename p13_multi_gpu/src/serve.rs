@@ -244,6 +244,7 @@ pub async fn serve(mut a: TpServeArgs) -> Result<()> {
         let (engine, tokenizer) = (Arc::new(engine), Arc::new(tokenizer));
         let recovery = spawn.then(|| Recovery {
             swap,
+            restarts: 0,
             restart: restarter(
                 split.clone(),
                 path.to_path_buf(),

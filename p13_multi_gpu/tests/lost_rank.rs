@@ -158,8 +158,24 @@ fn survive(split: &[&str]) {
         }
         (run.await.unwrap(), killed_after)
     });
-    // 3. The world is whole again: rank 2 is a new process.
+    // 3. The world is whole again: rank 2 is a new process, and /metrics
+    //    counts one restart of a world of 3.
     let new = rank_pid(child.id(), 2);
+    let metrics = rt.block_on(async {
+        reqwest::get(format!("{url}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    });
+    let metric = |name: &str| {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(name) && !l.starts_with('#'))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+    };
     // SAFETY: kill(2) on our own child's pid.
     unsafe {
         libc::kill(child.id() as i32, libc::SIGTERM);
@@ -186,4 +202,11 @@ fn survive(split: &[&str]) {
         new.is_some_and(|p| p != old),
         "rank 2 was restarted ({old} → {new:?})"
     );
+    assert_eq!(
+        metric("inference_lab:rank_restarts_total{"),
+        Some(1.0),
+        "{metrics}"
+    );
+    assert_eq!(metric("inference_lab:ranks{"), Some(3.0), "{metrics}");
+    assert!(metric("inference_lab:collective_seconds_total{").is_some_and(|s| s > 0.0));
 }
