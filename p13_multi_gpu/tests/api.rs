@@ -16,37 +16,9 @@ fn the_served_binary_with_ranks_as_processes_answers_as_one_process() {
 
 /// `p13_multi_gpu serve` with `split` (f32), one greedy chat request.
 fn served(split: &[&str]) {
-    use std::io::{BufRead, BufReader};
-    use std::process::{Command, Stdio};
-    let path =
-        common::assets::ensure(common::assets::Asset::SmolLm2).unwrap_or_else(|e| panic!("{e}"));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_p13_multi_gpu"))
-        .args(["serve", "--model", path.to_str().unwrap(), "--port", "0"])
-        .args(split)
-        .args([
-            "--weights",
-            "f32",
-            "--kv-cache-mib",
-            "256",
-            "--shutdown-grace-s",
-            "1",
-        ])
-        .args(["--served-model-name", MODEL])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut url = None;
-    for line in lines.by_ref() {
-        let line = line.unwrap();
-        if let Some(rest) = line.strip_prefix("listening on ") {
-            url = rest.split_whitespace().next().map(str::to_string);
-        }
-        if line.starts_with("ready") {
-            break;
-        }
-    }
-    let url = url.expect("the server printed its address");
+    let mut args = vec!["--weights", "f32", "--kv-cache-mib", "256"];
+    args.extend_from_slice(split);
+    let (mut child, url) = support::spawn_server(&args);
     let (_, want, _) = reference(24);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let got: Value = rt.block_on(async {

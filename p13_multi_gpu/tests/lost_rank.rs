@@ -8,8 +8,6 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -107,35 +105,10 @@ fn a_killed_pipeline_stage_is_restarted_likewise() {
 
 /// The server with `split` (native weights), 8 streams, rank 2 killed.
 fn survive(split: &[&str]) {
-    let path =
-        common::assets::ensure(common::assets::Asset::SmolLm2).unwrap_or_else(|e| panic!("{e}"));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_p13_multi_gpu"))
-        .args(["serve", "--model", path.to_str().unwrap(), "--port", "0"])
-        .args([
-            "--weights",
-            "native",
-            "--kv-cache-mib",
-            "256",
-            "--shutdown-grace-s",
-            "1",
-        ])
-        .args(["--served-model-name", MODEL, "--collective-timeout-s", "30"])
-        .args(split)
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut url = None;
-    for line in lines.by_ref() {
-        let line = line.unwrap();
-        if let Some(rest) = line.strip_prefix("listening on ") {
-            url = rest.split_whitespace().next().map(str::to_string);
-        }
-        if line.starts_with("ready") {
-            break;
-        }
-    }
-    let url = url.expect("the server printed its address");
+    let mut args = vec!["--weights", "native", "--kv-cache-mib", "256"];
+    args.extend_from_slice(&["--collective-timeout-s", "30"]);
+    args.extend_from_slice(split);
+    let (mut child, url) = support::spawn_server(&args);
     let rt = tokio::runtime::Runtime::new().unwrap();
     // 1. The answers with no rank lost.
     let want = rt.block_on(all_streams(&url, Arc::new(AtomicUsize::new(0))));

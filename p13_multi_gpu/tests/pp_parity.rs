@@ -6,9 +6,12 @@
 //! logit equals one process's bit for bit; each stage holds its layers'
 //! share of the weights and of the K/V.
 
+mod worlds;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+
+use worlds::{tcp_world, threads_world};
 
 use common::batch::BatchModel;
 use p04_transformer::Split;
@@ -18,7 +21,7 @@ use p08_continuous::{ContinuousConfig, EngineCore};
 use p09_kv_manager::PagedKv;
 use p13_multi_gpu::pp::{follow_stage, PpRunner, Stage};
 use p13_multi_gpu::tp::{load_part, weight_bytes, Weights};
-use p13_multi_gpu::{tcp, threads, Algorithm, Communicator};
+use p13_multi_gpu::Communicator;
 
 const KV_BYTES: usize = 1 << 26;
 
@@ -109,21 +112,6 @@ fn pipeline(
         sizes.extend(followers.into_iter().map(|f| f.join().unwrap()));
         (rows, sizes)
     })
-}
-
-fn threads_world(world: usize) -> Vec<Arc<dyn Communicator>> {
-    threads::group(world, Duration::from_secs(30), Algorithm::default())
-        .into_iter()
-        .map(|c| Arc::new(c) as Arc<dyn Communicator>)
-        .collect()
-}
-
-fn tcp_world(world: usize) -> Vec<Arc<dyn Communicator>> {
-    tcp::loopback_group(world, Duration::from_secs(30), Algorithm::default())
-        .unwrap()
-        .into_iter()
-        .map(|c| Arc::new(c) as Arc<dyn Communicator>)
-        .collect()
 }
 
 fn check(path: &Path, weights: Weights, stages: usize, prompts: &[Vec<u32>], n_layer: usize) {

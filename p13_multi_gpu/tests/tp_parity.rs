@@ -6,16 +6,18 @@
 //! equal to threads bit for bit, each rank holding 1/P of the projections and of
 //! the K/V heads; degrees that do not divide the model are refused.
 
+mod worlds;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+
+use worlds::{shm_world, tcp_world, threads_world};
 
 use common::Model;
 use p04_transformer::HeadSplit;
 use p05_kv_cache::llama_engine::LlamaEngine;
-use p13_multi_gpu::mesh::Algorithm;
 use p13_multi_gpu::tp::{load_rank, weight_bytes, Weights};
-use p13_multi_gpu::{tcp, threads, Communicator};
+use p13_multi_gpu::Communicator;
 
 const STEPS: usize = 8;
 
@@ -132,29 +134,6 @@ fn run_ranks(
             .collect();
         joins.into_iter().map(|j| j.join().unwrap()).collect()
     })
-}
-
-fn threads_world(world: usize) -> Vec<Arc<dyn Communicator>> {
-    threads::group(world, Duration::from_secs(30), Algorithm::default())
-        .into_iter()
-        .map(|c| Arc::new(c) as Arc<dyn Communicator>)
-        .collect()
-}
-
-fn tcp_world(world: usize) -> Vec<Arc<dyn Communicator>> {
-    tcp::loopback_group(world, Duration::from_secs(30), Algorithm::default())
-        .unwrap()
-        .into_iter()
-        .map(|c| Arc::new(c) as Arc<dyn Communicator>)
-        .collect()
-}
-
-fn shm_world(world: usize) -> Vec<Arc<dyn Communicator>> {
-    p13_multi_gpu::shm::group(world, Duration::from_secs(30))
-        .unwrap()
-        .into_iter()
-        .map(|c| Arc::new(c) as Arc<dyn Communicator>)
-        .collect()
 }
 
 fn bits(v: &[Vec<f32>]) -> Vec<u32> {

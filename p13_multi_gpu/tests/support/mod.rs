@@ -67,3 +67,33 @@ pub fn test_engine(s: &Shared, max_waiting: usize) -> Arc<dyn Engine> {
         .unwrap(),
     )
 }
+
+/// `p13_multi_gpu serve` on SmolLM2 with `args`, on a free port; returns
+/// the process and its URL once it has printed `ready`.
+pub fn spawn_server(args: &[&str]) -> (std::process::Child, String) {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let path =
+        common::assets::ensure(common::assets::Asset::SmolLm2).unwrap_or_else(|e| panic!("{e}"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_p13_multi_gpu"))
+        .args(["serve", "--model", path.to_str().unwrap(), "--port", "0"])
+        .args(["--served-model-name", MODEL, "--shutdown-grace-s", "1"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut url = None;
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        if let Some(rest) = line.strip_prefix("listening on ") {
+            url = rest.split_whitespace().next().map(str::to_string);
+        }
+        if line.starts_with("ready") {
+            break;
+        }
+    }
+    // Keep reading: a closed pipe would fail the server's next print.
+    std::thread::spawn(move || lines.for_each(drop));
+    (child, url.expect("the server printed its address"))
+}
