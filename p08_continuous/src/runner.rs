@@ -187,6 +187,21 @@ impl<P: Deref<Target: BatchModel>, S: KvStorage> LocalRunner<P, S> {
     }
 }
 
+/// Squeeze `logits` (one row of `vocab` per sequence of the step, in
+/// plan order) down to the rows of the sequences that sample, in place.
+pub fn keep_sampled_rows(seqs: &[PlannedSeq], logits: &mut Vec<f32>, vocab: usize) {
+    let mut kept = 0;
+    for (row, s) in seqs.iter().enumerate() {
+        if s.logits {
+            if row != kept {
+                logits.copy_within(row * vocab..(row + 1) * vocab, kept * vocab);
+            }
+            kept += 1;
+        }
+    }
+    logits.truncate(kept * vocab);
+}
+
 fn storage_err<E: std::error::Error + Send + Sync + 'static>(e: E) -> RunnerError {
     RunnerError::Storage(Box::new(e))
 }
@@ -208,16 +223,7 @@ impl<P: Deref<Target: BatchModel>, S: KvStorage> ModelRunner for LocalRunner<P, 
         self.model
             .forward_batch(&self.batch, &mut refs, &mut self.workspace, logits)
             .map_err(|e| RunnerError::Model(Box::new(e)))?;
-        let mut kept = 0;
-        for (row, s) in plan.seqs.iter().enumerate() {
-            if s.logits {
-                if row != kept {
-                    logits.copy_within(row * vocab..(row + 1) * vocab, kept * vocab);
-                }
-                kept += 1;
-            }
-        }
-        logits.truncate(kept * vocab);
+        keep_sampled_rows(&plan.seqs, logits, vocab);
         Ok(())
     }
 

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use common::batch::Batch;
 use p05_kv_cache::llama_engine::{LlamaEngine, LlamaWorkspace, StageOut};
 use p08_continuous::kv_transfer::{KvBuffer, KvLayout};
-use p08_continuous::runner::{KvOp, KvStorage, PlannedSeq, RunnerError, SeqKv};
+use p08_continuous::runner::{keep_sampled_rows, KvOp, KvStorage, PlannedSeq, RunnerError, SeqKv};
 use p08_continuous::scheduler::SeqId;
 use p08_continuous::{ModelRunner, StepPlan};
 
@@ -176,16 +176,7 @@ impl<P: Deref<Target = LlamaEngine>, S: KvStorage> PpRunner<P, S> {
         }
         // The rows not asked for (prompt chunks that do not end their
         // prompt) are squeezed out, as the in-process runner does.
-        let mut kept = 0;
-        for (row, s) in plan.seqs.iter().enumerate() {
-            if s.logits {
-                if row != kept {
-                    logits.copy_within(row * vocab..(row + 1) * vocab, kept * vocab);
-                }
-                kept += 1;
-            }
-        }
-        logits.truncate(kept * vocab);
+        keep_sampled_rows(&plan.seqs, logits, vocab);
         Ok(())
     }
 
