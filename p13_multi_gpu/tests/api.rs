@@ -6,6 +6,8 @@
 
 mod support;
 
+const KIND: support::Kind = support::Kind::Tp;
+
 include!("../../p06_server/tests/shared/api_cases.rs");
 
 #[test]

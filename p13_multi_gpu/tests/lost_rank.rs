@@ -8,6 +8,9 @@
 
 mod support;
 
+/// The harness's in-process engine (unused here: this file runs the binary).
+const KIND: support::Kind = support::Kind::Tp;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
