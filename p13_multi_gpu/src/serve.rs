@@ -208,12 +208,13 @@ pub async fn serve(mut a: TpServeArgs) -> Result<()> {
             .map(|l| l.local_addr())
             .collect::<std::io::Result<_>>()?;
         a.split.token.get_or_insert_with(job_token);
-        ls.into_iter().next().expect("tp >= 1")
-    } else if a.split.peers.len() != a.split.tp {
+        ls.into_iter().next().expect("world >= 1")
+    } else if a.split.peers.len() != world {
         bail!(
-            "--peers names {} ranks for --tp {}",
+            "--peers names {} ranks for a world of {world} (--tp {} --pp {})",
             a.split.peers.len(),
-            a.split.tp
+            a.split.tp,
+            a.split.pp
         );
     } else {
         TcpListener::bind(a.split.peers[0])
