@@ -195,16 +195,7 @@ impl Llama {
             }
             Ok(Some(p))
         };
-        let kept_f32 = |name: &str, keep: &Keep, w: &[f32]| {
-            let [out, inp] = keep.full;
-            let w = keep.take(w).ok_or_else(|| ModelError::Shape {
-                path: f.path.clone(),
-                name: name.to_string(),
-                expected: vec![out, inp],
-                found: vec![w.len() / inp.max(1), inp],
-            })?;
-            Proj::new(&w, keep.shape()[0], keep.shape()[1])
-        };
+        let kept_f32 = |name: &str, keep: &Keep, w: &[f32]| kept_proj(&f.path, name, keep, w);
         let proj = |name: &str, role: Role, out: usize, inp: usize, heads: Option<usize>| {
             let keep = split.keep(role, &cfg, [out, inp], heads.map(|h| qk_row_source(h, hd)));
             match native(name, &keep)? {
@@ -304,13 +295,7 @@ impl Llama {
         let src = Source::Hf(&hf);
         let proj = |name: &str, role: Role, out: usize, inp: usize, w: &[f32]| {
             let keep = split.keep(role, &cfg, [out, inp], None);
-            let kept = keep.take(w).ok_or_else(|| ModelError::Shape {
-                path: hf.weights.path.clone(),
-                name: name.to_string(),
-                expected: vec![out, inp],
-                found: vec![w.len() / inp.max(1), inp],
-            })?;
-            Proj::new(&kept, keep.shape()[0], keep.shape()[1])
+            kept_proj(&hf.weights.path, name, &keep, w)
         };
         let (hd, d) = (cfg.head_dim, cfg.hidden_size);
         let mut blocks = Vec::with_capacity(cfg.n_layer);
@@ -430,6 +415,19 @@ impl Llama {
 
 fn rayon_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// The f32 projection of `keep`'s part of tensor `name` (`w`, stored
+/// (out, in)), or a shape error naming the file and tensor.
+fn kept_proj(path: &Path, name: &str, keep: &Keep, w: &[f32]) -> Result<Proj, ModelError> {
+    let [out, inp] = keep.full;
+    let kept = keep.take(w).ok_or_else(|| ModelError::Shape {
+        path: path.to_path_buf(),
+        name: name.to_string(),
+        expected: vec![out, inp],
+        found: vec![w.len() / inp.max(1), inp],
+    })?;
+    Proj::new(&kept, keep.shape()[0], keep.shape()[1])
 }
 
 /// A split the model's sizes do not divide is a config error naming them.

@@ -178,12 +178,19 @@ pub fn strided_len(n: usize, world: usize, c: usize) -> usize {
 /// x_{c−1}` over ranks mod W, c = i mod W. The reference the fast paths
 /// are tested against; the direct algorithm calls it.
 pub fn reference_sum(bufs: &[&[f32]], out: &mut [f32]) {
+    reference_sum_from(bufs, 0, out);
+}
+
+/// [`reference_sum`] of a piece of a larger buffer: `bufs[r][j]` and
+/// `out[j]` are element `first + j` of the whole, whose index sets the
+/// order (the shared-memory backend sums a buffer slot by slot).
+pub fn reference_sum_from(bufs: &[&[f32]], first: usize, out: &mut [f32]) {
     let w = bufs.len();
-    for (i, o) in out.iter_mut().enumerate() {
-        let c = i % w;
-        let mut acc = bufs[c][i];
+    for (j, o) in out.iter_mut().enumerate() {
+        let c = (first + j) % w;
+        let mut acc = bufs[c][j];
         for k in 1..w {
-            acc += bufs[(c + k) % w][i];
+            acc += bufs[(c + k) % w][j];
         }
         *o = acc;
     }

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use memmap2::MmapMut;
 
-use crate::comm::{CommError, CommStats, Communicator, Op};
+use crate::comm::{reference_sum_from, CommError, CommStats, Communicator, Op};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"ILSHM\0\0\x01");
 const HEADER: usize = 64;
@@ -397,7 +397,7 @@ impl Communicator for ShmComm {
     }
 
     fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), CommError> {
-        let (w, per) = (self.world, SLOT_BYTES / 4);
+        let per = SLOT_BYTES / 4;
         // Pieces of one slot each, each element summed in the reference order.
         self.call((buf.len() * 4) as u64, |st| {
             let seq = st.seq;
@@ -416,14 +416,8 @@ impl Communicator for ShmComm {
                     Ok(())
                 })?;
                 // Element i summed from rank i mod W on (the reference order).
-                for (j, o) in buf[start..end].iter_mut().enumerate() {
-                    let c = (start + j) % w;
-                    let mut acc = vals[c][j];
-                    for k in 1..w {
-                        acc += vals[(c + k) % w][j];
-                    }
-                    *o = acc;
-                }
+                let pieces: Vec<&[f32]> = vals.iter().map(Vec::as_slice).collect();
+                reference_sum_from(&pieces, start, &mut buf[start..end]);
                 st.vals = vals;
                 start = end;
                 if start >= n {
