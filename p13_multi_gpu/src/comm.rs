@@ -110,6 +110,10 @@ pub struct CommStats {
     pub calls: u64,
     /// Payload bytes this rank sent.
     pub bytes_sent: u64,
+    /// Of those calls, point-to-point sends (a pipeline's hand-offs), and
+    /// their bytes.
+    pub sends: u64,
+    pub send_bytes: u64,
     /// Seconds spent inside calls (waiting for peers included).
     pub seconds: f64,
 }

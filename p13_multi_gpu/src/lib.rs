@@ -7,6 +7,8 @@
 //!   ring all-reduce);
 //! - [`threads`]: ranks as threads (the reference); [`tcp`]: ranks as
 //!   processes or hosts; [`shm`]: ranks on one host over shared memory;
+//! - [`hosts`]: several hosts on one machine (network namespaces) and
+//!   [`wire`], the link between them with a delay and a bandwidth cap;
 //! - [`tp`]: a Llama split by tensor parallelism: each rank's slice of
 //!   the weights and K/V heads, its row-parallel projections completed by
 //!   an all-reduce; [`pp`]: pipeline stages and micro-batches;
@@ -19,6 +21,7 @@ pub mod bench;
 pub mod bench_decode;
 pub mod comm;
 pub mod frame;
+pub mod hosts;
 pub mod mesh;
 pub mod pp;
 pub mod runner;
@@ -28,6 +31,7 @@ pub mod swap;
 pub mod tcp;
 pub mod threads;
 pub mod tp;
+pub mod wire;
 
 pub use comm::{CommError, CommStats, Communicator};
 pub use mesh::{Algorithm, Mesh};

@@ -406,6 +406,8 @@ impl<T: Transport> Communicator for Mesh<T> {
         }
         self.call(bytes.len() as u64, |st, deadline| {
             st.sent[to] += 1;
+            st.stats.sends += 1;
+            st.stats.send_bytes += bytes.len() as u64;
             let seq = st.sent[to];
             st.transport.exchange(
                 &[Outgoing {
