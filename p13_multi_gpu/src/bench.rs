@@ -38,11 +38,20 @@ pub struct AllReduceArgs {
 /// a 16-token step's (36 KiB), then 1, 16 and 64 MiB.
 pub const SIZES: [usize; 6] = [4, 2304, 36_864, 1 << 20, 16 << 20, 64 << 20];
 
-/// Seconds per all-reduce of `bytes` on rank 0: each sample times enough
-/// back-to-back calls to last ~20 ms.
-fn time_world<C: Communicator>(comms: &[C], bytes: usize, samples: usize) -> Vec<f64> {
+/// Back-to-back calls per sample: enough to last ~20 ms on loopback.
+fn reps_for(bytes: usize) -> usize {
+    (20_000_000 / (bytes + 20_000)).clamp(1, 2000)
+}
+
+/// Seconds per all-reduce of `bytes` on rank 0, each sample the mean of
+/// `reps` back-to-back calls.
+pub(crate) fn time_world<C: Communicator>(
+    comms: &[C],
+    bytes: usize,
+    samples: usize,
+    reps: usize,
+) -> Vec<f64> {
     let n = bytes / 4;
-    let reps = (20_000_000 / (bytes + 20_000)).clamp(1, 2000);
     std::thread::scope(|s| {
         let joins: Vec<_> = comms
             .iter()
@@ -124,9 +133,9 @@ pub fn all_reduce(a: &AllReduceArgs) -> Result<()> {
         let m = shm::group(a.world, deadline)?;
         let c = tcp::loopback_group(a.world, deadline, Algorithm::default())?;
         for (i, &bytes) in SIZES.iter().enumerate() {
-            samples[0][i].extend(time_world(&t, bytes, a.samples));
-            samples[1][i].extend(time_world(&m, bytes, a.samples));
-            samples[2][i].extend(time_world(&c, bytes, a.samples));
+            samples[0][i].extend(time_world(&t, bytes, a.samples, reps_for(bytes)));
+            samples[1][i].extend(time_world(&m, bytes, a.samples, reps_for(bytes)));
+            samples[2][i].extend(time_world(&c, bytes, a.samples, reps_for(bytes)));
         }
         drop((t, m, c));
         for (i, s) in gloo(a)?.into_iter().enumerate() {

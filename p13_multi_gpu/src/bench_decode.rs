@@ -21,7 +21,7 @@ use p09_kv_manager::PagedKv;
 use crate::pp::{follow_stage, PpRunner, Stage};
 use crate::runner::{follow, TpRunner};
 use crate::tp::{load_part, load_rank, weight_bytes, Weights};
-use crate::{shm, tcp, Algorithm, Communicator};
+use crate::{shm, tcp, Algorithm, CommStats, Communicator};
 
 #[derive(Clone, Debug, Args)]
 pub struct DecodeArgs {
@@ -80,13 +80,43 @@ fn config(prompt: usize) -> ContinuousConfig {
     }
 }
 
+/// One request's timings: the prefill step, each decode step, rank 0's
+/// communication seconds over the decode steps, and every rank's
+/// communicator counts over the decode steps.
+pub(crate) struct Drive {
+    pub prefill_s: f64,
+    pub decode_s: Vec<f64>,
+    pub comm_s: f64,
+    pub stats: Vec<CommStats>,
+}
+
+/// Every rank's counts (the others' settle within a few µs of rank 0's
+/// step; the pause lets a delayed link's last frames land).
+fn snapshot(comms: &[Arc<dyn Communicator>]) -> Vec<CommStats> {
+    std::thread::sleep(Duration::from_millis(3));
+    comms.iter().map(|c| c.stats()).collect()
+}
+
+fn delta(a: &[CommStats], b: &[CommStats]) -> Vec<CommStats> {
+    a.iter()
+        .zip(b)
+        .map(|(a, b)| CommStats {
+            calls: b.calls - a.calls,
+            bytes_sent: b.bytes_sent - a.bytes_sent,
+            sends: b.sends - a.sends,
+            send_bytes: b.send_bytes - a.send_bytes,
+            seconds: b.seconds - a.seconds,
+        })
+        .collect()
+}
+
 /// Step one request to its end on `core`, timing each step.
 fn drive<B: KvBackend, R: ModelRunner>(
     core: &mut EngineCore<'_, B, R, ()>,
     prompt: &[u32],
     decode: usize,
-    comm: Option<&dyn Communicator>,
-) -> Result<(f64, Vec<f64>, f64)> {
+    comms: &[Arc<dyn Communicator>],
+) -> Result<Drive> {
     if !core.add(0, prompt, &GenerateParams::greedy(decode + 1))? {
         anyhow::bail!("the request finished before it started");
     }
@@ -94,16 +124,21 @@ fn drive<B: KvBackend, R: ModelRunner>(
     let out = core.step();
     let prefill_s = t0.elapsed().as_secs_f64();
     anyhow::ensure!(out.failed.is_empty(), "prefill failed: {:?}", out.failed);
-    let c0 = comm.map_or(0.0, |c| c.stats().seconds);
-    let mut steps = Vec::new();
+    let s0 = snapshot(comms);
+    let mut decode_s = Vec::new();
     while core.has_work() {
         let t = Instant::now();
         let out = core.step();
-        steps.push(t.elapsed().as_secs_f64());
+        decode_s.push(t.elapsed().as_secs_f64());
         anyhow::ensure!(out.failed.is_empty(), "decode failed: {:?}", out.failed);
     }
-    let comm_s = comm.map_or(0.0, |c| c.stats().seconds) - c0;
-    Ok((prefill_s, steps, comm_s))
+    let stats = delta(&s0, &snapshot(comms));
+    Ok(Drive {
+        prefill_s,
+        decode_s,
+        comm_s: stats.first().map_or(0.0, |s| s.seconds),
+        stats,
+    })
 }
 
 fn sizes(m: &p04_transformer::Llama, kv: usize) -> (usize, usize, usize) {
@@ -111,19 +146,94 @@ fn sizes(m: &p04_transformer::Llama, kv: usize) -> (usize, usize, usize) {
     (proj, replicated, kv)
 }
 
-fn round(setup: Setup, path: &std::path::Path, prompt: &[u32], decode: usize) -> Result<Round> {
+/// A driver: one request through the engine core, timed.
+pub(crate) type Driver<'a> = dyn FnMut(&[u32], usize) -> Result<Drive> + 'a;
+
+/// SmolLM2 (native weights) split over `comms` (TP, or PP stages when
+/// `pp`), ranks as threads of this process, one thread each; `body` gets
+/// a driver for rank 0's engine core. Returns its result and each rank's
+/// (projection bytes, replicated bytes, K/V bytes per position).
+pub(crate) fn with_world<T>(
+    pp: bool,
+    path: &std::path::Path,
+    prompt_len: usize,
+    comms: Vec<Arc<dyn Communicator>>,
+    body: impl FnOnce(&mut Driver<'_>) -> Result<T>,
+) -> Result<(T, Vec<(usize, usize, usize)>)> {
     let tok =
         p04_transformer::Tokenizer::from_gguf(&p04_transformer::GgufFile::open(path)?.header)?;
-    let cfg = config(prompt.len());
+    let cfg = config(prompt_len);
+    let world = comms.len();
+    let all = comms.clone();
+    std::thread::scope(|s| {
+        let mut comms = comms;
+        let followers: Vec<_> = comms
+            .split_off(1)
+            .into_iter()
+            .map(|c| {
+                s.spawn(move || -> Result<(usize, usize, usize)> {
+                    let l = match pp {
+                        true => {
+                            load_part(path, Weights::Native, Split::stage(c.rank(), world)?, 1)?
+                        }
+                        false => {
+                            load_rank(path, Weights::Native, HeadSplit::Replicated, c.clone(), 1)?
+                        }
+                    };
+                    let kv = PagedKv::new(l.engine.kv_shape(), 16, KV_BYTES, false)?;
+                    let size = sizes(&l.engine.model, l.engine.kv_shape().bytes_per_position());
+                    c.barrier()?;
+                    if pp {
+                        follow_stage(&*c, &mut Stage::new(&l.engine, kv.new_storage()), world)?;
+                    } else {
+                        follow(&*c, &mut LocalRunner::new(&l.engine, kv.new_storage()))?;
+                    }
+                    Ok(size)
+                })
+            })
+            .collect();
+        let c = comms.remove(0);
+        let l = match pp {
+            true => load_part(path, Weights::Native, Split::stage(0, world)?, 1)?,
+            false => load_rank(path, Weights::Native, HeadSplit::Replicated, c.clone(), 1)?,
+        };
+        let kv = PagedKv::new(l.engine.kv_shape(), 16, KV_BYTES, false)?;
+        let mut ranks = vec![sizes(
+            &l.engine.model,
+            l.engine.kv_shape().bytes_per_position(),
+        )];
+        c.barrier()?;
+        let info = common::Model::info(&l.engine).clone();
+        let storage = kv.new_storage();
+        let out = if pp {
+            let runner = PpRunner::new(Stage::new(&l.engine, storage), c.clone(), world);
+            let mut core = EngineCore::with_runner(&info, &tok, &cfg, kv, runner)?;
+            body(&mut |p: &[u32], n: usize| drive(&mut core, p, n, &all))
+        } else {
+            let runner = TpRunner::new(LocalRunner::new(&l.engine, storage), c.clone());
+            let mut core = EngineCore::with_runner(&info, &tok, &cfg, kv, runner)?;
+            body(&mut |p: &[u32], n: usize| drive(&mut core, p, n, &all))
+        }; // the core drops here: its runner tells the others to stop
+        for f in followers {
+            ranks.push(f.join().map_err(|_| anyhow::anyhow!("a rank panicked"))??);
+        }
+        Ok((out?, ranks))
+    })
+}
+
+fn round(setup: Setup, path: &std::path::Path, prompt: &[u32], decode: usize) -> Result<Round> {
     if setup == Setup::One {
+        let tok =
+            p04_transformer::Tokenizer::from_gguf(&p04_transformer::GgufFile::open(path)?.header)?;
+        let cfg = config(prompt.len());
         let l = load_part(path, Weights::Native, Split::whole(), 1)?;
         let kv = PagedKv::new(l.engine.kv_shape(), 16, KV_BYTES, false)?;
         let mut core = EngineCore::with_backend(&l.engine, &tok, &cfg, kv)?;
-        let (prefill_s, decode_s, _) = drive(&mut core, prompt, decode, None)?;
+        let d = drive(&mut core, prompt, decode, &[])?;
         let s = sizes(&l.engine.model, l.engine.kv_shape().bytes_per_position());
         return Ok(Round {
-            prefill_s,
-            decode_s,
+            prefill_s: d.prefill_s,
+            decode_s: d.decode_s,
             comm_s: 0.0,
             ranks: vec![s],
         });
@@ -139,63 +249,14 @@ fn round(setup: Setup, path: &std::path::Path, prompt: &[u32], decode: usize) ->
             .map(|c| Arc::new(c) as Arc<dyn Communicator>)
             .collect(),
     };
-    let pp = setup == Setup::PpTcp;
-    std::thread::scope(|s| -> Result<Round> {
-        let mut comms = comms;
-        let followers: Vec<_> = comms
-            .split_off(1)
-            .into_iter()
-            .map(|c| {
-                s.spawn(move || -> Result<(usize, usize, usize)> {
-                    let l = match pp {
-                        true => load_part(path, Weights::Native, Split::stage(c.rank(), 3)?, 1)?,
-                        false => {
-                            load_rank(path, Weights::Native, HeadSplit::Replicated, c.clone(), 1)?
-                        }
-                    };
-                    let kv = PagedKv::new(l.engine.kv_shape(), 16, KV_BYTES, false)?;
-                    let size = sizes(&l.engine.model, l.engine.kv_shape().bytes_per_position());
-                    c.barrier()?;
-                    if pp {
-                        follow_stage(&*c, &mut Stage::new(&l.engine, kv.new_storage()), 3)?;
-                    } else {
-                        follow(&*c, &mut LocalRunner::new(&l.engine, kv.new_storage()))?;
-                    }
-                    Ok(size)
-                })
-            })
-            .collect();
-        let c = comms.remove(0);
-        let l = match pp {
-            true => load_part(path, Weights::Native, Split::stage(0, 3)?, 1)?,
-            false => load_rank(path, Weights::Native, HeadSplit::Replicated, c.clone(), 1)?,
-        };
-        let kv = PagedKv::new(l.engine.kv_shape(), 16, KV_BYTES, false)?;
-        let mut ranks = vec![sizes(
-            &l.engine.model,
-            l.engine.kv_shape().bytes_per_position(),
-        )];
-        c.barrier()?;
-        let info = common::Model::info(&l.engine).clone();
-        let storage = kv.new_storage();
-        let (prefill_s, decode_s, comm_s) = if pp {
-            let runner = PpRunner::new(Stage::new(&l.engine, storage), c.clone(), 3);
-            let mut core = EngineCore::with_runner(&info, &tok, &cfg, kv, runner)?;
-            drive(&mut core, prompt, decode, Some(&*c))?
-        } else {
-            let runner = TpRunner::new(LocalRunner::new(&l.engine, storage), c.clone());
-            let mut core = EngineCore::with_runner(&info, &tok, &cfg, kv, runner)?;
-            drive(&mut core, prompt, decode, Some(&*c))?
-        }; // the core drops here: its runner tells the others to stop
-        for f in followers {
-            ranks.push(f.join().map_err(|_| anyhow::anyhow!("a rank panicked"))??);
-        }
-        Ok(Round {
-            prefill_s,
-            decode_s,
-            comm_s,
-            ranks,
-        })
+    let (d, ranks) = with_world(setup == Setup::PpTcp, path, prompt.len(), comms, |drive| {
+        drive(prompt, decode)
+    })?;
+    Ok(Round {
+        prefill_s: d.prefill_s,
+        decode_s: d.decode_s,
+        comm_s: d.comm_s,
+        ranks,
     })
 }
 

@@ -118,6 +118,31 @@ pub struct CommStats {
     pub seconds: f64,
 }
 
+/// A backend's counts and first error as of its last finished call, kept
+/// apart from the lock a call holds while it waits: a rank blocked in a
+/// collective (a follower waiting for rank 0's next plan) can still be
+/// asked for its stats.
+#[derive(Debug, Default)]
+pub(crate) struct Seen(std::sync::Mutex<(CommStats, Option<String>)>);
+
+impl Seen {
+    pub(crate) fn publish(&self, stats: CommStats, broken: &Option<String>) {
+        let mut s = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        s.0 = stats;
+        if s.1.is_none() {
+            s.1.clone_from(broken);
+        }
+    }
+
+    pub(crate) fn stats(&self) -> CommStats {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).0
+    }
+
+    pub(crate) fn broken(&self) -> Option<String> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).1.clone()
+    }
+}
+
 /// The collectives ranks call. `&self` methods: a backend keeps its own
 /// state behind a lock, so a model's projections can hold one in an `Arc`.
 /// Every rank of the world must make the same calls in the same order.

@@ -12,8 +12,8 @@
 //! the link's delay and writes it into the destination namespace's `il0`,
 //! whose kernel receives it as from a cable. Where the kernel has `tc
 //! netem` (`CONFIG_NET_SCH_NETEM`), the delay is set with netem on every
-//! `il0` instead and the wire forwards at once. A bandwidth cap is `tc
-//! tbf` on every `il0`: each host's egress.
+//! `il0` instead and the wire forwards at once. A bandwidth cap is each
+//! host's egress rate (netem's `rate`, or the wire's, which works alike).
 //!
 //! The addresses exist only inside these namespaces: nothing outside them
 //! is reachable from them. Dropping [`Hosts`] deletes the namespaces (and
@@ -61,7 +61,7 @@ pub enum HostsError {
 pub struct Link {
     /// One-way delay added to every packet.
     pub delay: Duration,
-    /// Egress bandwidth cap (`tc tbf`), megabits per second.
+    /// Egress bandwidth cap, megabits per second.
     pub rate_mbit: Option<u32>,
 }
 
@@ -284,29 +284,24 @@ impl Hosts {
 
     /// Every host's link from now on.
     pub fn set_link(&self, link: Link) -> Result<(), HostsError> {
-        let us = link.delay.as_micros().to_string() + "us";
-        for name in &self.names {
-            let root = ["tc", "-n", name, "qdisc", "replace", "dev", "il0", "root"];
-            let rate = link.rate_mbit.map(|m| format!("{m}mbit"));
-            match (self.delay_by, &rate) {
-                (DelayBy::Netem, Some(rate)) => {
-                    run(&[&root[..], &["netem", "delay", &us, "rate", rate]].concat())?
+        match self.delay_by {
+            DelayBy::Netem => {
+                let us = link.delay.as_micros().to_string() + "us";
+                let rate = link.rate_mbit.map(|m| format!("{m}mbit"));
+                for name in &self.names {
+                    let mut args = vec!["tc", "-n", name, "qdisc", "replace", "dev", "il0", "root"];
+                    args.extend(["netem", "delay", &us]);
+                    if let Some(rate) = &rate {
+                        args.extend(["rate", rate]);
+                    }
+                    run(&args)?;
                 }
-                (DelayBy::Netem, None) => run(&[&root[..], &["netem", "delay", &us]].concat())?,
-                // A bucket of two packets: a cap, not a burst allowance.
-                (DelayBy::Wire, Some(rate)) => run(&[
-                    &root[..],
-                    &["tbf", "rate", rate, "burst", "3028", "latency", "200ms"],
-                ]
-                .concat())?,
-                (DelayBy::Wire, None) => run(&[&root[..], &["pfifo", "limit", "1000"]].concat())?,
             }
-        }
-        if let Some(w) = &self.wire {
-            w.set_delay(match self.delay_by {
-                DelayBy::Netem => Duration::ZERO,
-                DelayBy::Wire => link.delay,
-            });
+            DelayBy::Wire => {
+                if let Some(w) = &self.wire {
+                    w.set(link.delay, link.rate_mbit.map(|m| u64::from(m) * 1_000_000));
+                }
+            }
         }
         Ok(())
     }

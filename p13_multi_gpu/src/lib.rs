@@ -19,6 +19,8 @@
 pub mod bench;
 #[cfg(feature = "bench")]
 pub mod bench_decode;
+#[cfg(feature = "bench")]
+pub mod bench_links;
 pub mod comm;
 pub mod frame;
 pub mod hosts;

@@ -28,6 +28,9 @@ enum Cmd {
     /// One sequence's prefill and decode at TP = 1 and 3 and PP = 3 (ranks as threads), communication's share, bytes per rank.
     #[cfg(feature = "bench")]
     BenchDecode(p13_multi_gpu::bench_decode::DecodeArgs),
+    /// TP = 3 and PP = 3 decode with each rank on a simulated host (a network namespace), links delayed 0 to 1 ms or capped, beside an α–β model.
+    #[cfg(feature = "bench")]
+    BenchLinks(p13_multi_gpu::bench_links::LinksArgs),
 }
 
 fn main() -> Result<()> {
@@ -41,5 +44,7 @@ fn main() -> Result<()> {
         Cmd::BenchAllreduce(a) => p13_multi_gpu::bench::all_reduce(&a),
         #[cfg(feature = "bench")]
         Cmd::BenchDecode(a) => p13_multi_gpu::bench_decode::run(&a),
+        #[cfg(feature = "bench")]
+        Cmd::BenchLinks(a) => p13_multi_gpu::bench_links::run(&a),
     }
 }

@@ -19,7 +19,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::comm::{
-    bytes_f32, f32_bytes, reference_sum, strided_len, CommError, CommStats, Communicator, Op,
+    bytes_f32, f32_bytes, reference_sum, strided_len, CommError, CommStats, Communicator, Op, Seen,
 };
 use crate::frame::{Expected, Outgoing};
 
@@ -75,6 +75,7 @@ pub struct Mesh<T: Transport> {
     deadline: Duration,
     algorithm: Algorithm,
     state: Mutex<State<T>>,
+    seen: Seen,
 }
 
 #[derive(Debug)]
@@ -113,6 +114,7 @@ impl<T: Transport> Mesh<T> {
                 ins: vec![Vec::new(); world],
                 vals: vec![Vec::new(); world],
             }),
+            seen: Seen::default(),
         }
     }
 
@@ -143,6 +145,7 @@ impl<T: Transport> Mesh<T> {
                 st.transport.shutdown();
             }
         }
+        self.seen.publish(st.stats, &st.broken);
         r
     }
 
@@ -444,14 +447,10 @@ impl<T: Transport> Communicator for Mesh<T> {
     }
 
     fn stats(&self) -> CommStats {
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).stats
+        self.seen.stats()
     }
 
     fn broken(&self) -> Option<String> {
-        self.state
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .broken
-            .clone()
+        self.seen.broken()
     }
 }

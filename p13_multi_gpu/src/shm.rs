@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use memmap2::MmapMut;
 
-use crate::comm::{reference_sum_from, CommError, CommStats, Communicator, Op};
+use crate::comm::{reference_sum_from, CommError, CommStats, Communicator, Op, Seen};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"ILSHM\0\0\x01");
 const HEADER: usize = 64;
@@ -49,6 +49,7 @@ pub struct ShmComm {
     world: usize,
     deadline: Duration,
     state: Mutex<State>,
+    seen: Seen,
 }
 
 #[derive(Debug)]
@@ -169,6 +170,7 @@ pub fn join(
             stats: CommStats::default(),
             vals: vec![Vec::new(); world],
         }),
+        seen: Seen::default(),
     };
     // Everyone mapped: the name can go (the mappings stay).
     c.barrier()?;
@@ -366,6 +368,7 @@ impl ShmComm {
             }
             Err(e) => st.broken = Some(e.to_string()),
         }
+        self.seen.publish(st.stats, &st.broken);
         r
     }
 
@@ -528,14 +531,10 @@ impl Communicator for ShmComm {
     }
 
     fn stats(&self) -> CommStats {
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).stats
+        self.seen.stats()
     }
 
     fn broken(&self) -> Option<String> {
-        self.state
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .broken
-            .clone()
+        self.seen.broken()
     }
 }

@@ -3,8 +3,14 @@
 //! writes it into the TUN interface of the host it is addressed to. What
 //! `tc netem delay` does inside the kernel, for kernels built without it.
 //!
-//! Packets keep their order per destination (one delay for all, so the
-//! queues stay sorted by due time). The thread sleeps in `ppoll(2)` until
+//! A bandwidth cap is serialization, as netem's `rate`: a host's packets
+//! leave one after another, each taking its length over the rate, then
+//! travel the delay; no burst allowance (a token bucket's would let the
+//! small messages of a decode step through uncapped).
+//!
+//! Each host's packets queue in the order they were sent, and their due
+//! times only grow (the host's link is busy until its last packet left;
+//! the delay is one for all). The thread sleeps in `ppoll(2)` until
 //! a packet arrives or the next one is due, with a 1 ns timer slack (a
 //! thread's default is 50 µs, more than the smallest delay asked for),
 //! and spins for the last few µs of a wait.
@@ -28,6 +34,8 @@ const PR_SET_TIMERSLACK: libc::c_int = 29;
 struct Shared {
     stop: AtomicBool,
     delay_ns: AtomicU64,
+    /// Bits per second; 0: no cap.
+    rate_bps: AtomicU64,
     carried: AtomicU64,
     dropped: AtomicU64,
 }
@@ -58,9 +66,14 @@ impl Wire {
         })
     }
 
-    pub fn set_delay(&self, d: Duration) {
-        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+    /// Every host's one-way delay and egress rate (bits per second, None:
+    /// no cap) from now on.
+    pub fn set(&self, delay: Duration, rate_bps: Option<u64>) {
+        let ns = u64::try_from(delay.as_nanos()).unwrap_or(u64::MAX);
         self.shared.delay_ns.store(ns, Ordering::Relaxed);
+        self.shared
+            .rate_bps
+            .store(rate_bps.unwrap_or(0), Ordering::Relaxed);
     }
 
     /// (packets carried, packets dropped as not for any host).
@@ -95,7 +108,11 @@ fn carry(tuns: &[OwnedFd], subnet: [u8; 3], shared: &Shared) {
     // SAFETY: prctl on this thread only.
     unsafe { libc::prctl(PR_SET_TIMERSLACK, 1 as libc::c_ulong) };
     let n = tuns.len();
-    let mut queues: Vec<VecDeque<(Instant, Vec<u8>)>> = (0..n).map(|_| VecDeque::new()).collect();
+    // queues[src]: (due, destination, packet), due times growing.
+    let mut queues: Vec<VecDeque<(Instant, usize, Vec<u8>)>> =
+        (0..n).map(|_| VecDeque::new()).collect();
+    // When each host's link has sent its last queued packet.
+    let mut busy: Vec<Instant> = vec![Instant::now(); n];
     let mut spare: Vec<Vec<u8>> = Vec::new();
     let mut fds: Vec<libc::pollfd> = tuns
         .iter()
@@ -108,9 +125,11 @@ fn carry(tuns: &[OwnedFd], subnet: [u8; 3], shared: &Shared) {
     while !shared.stop.load(Ordering::Relaxed) {
         // Deliver what is due.
         let now = Instant::now();
-        for (dst, q) in queues.iter_mut().enumerate() {
-            while q.front().is_some_and(|(due, _)| *due <= now) {
-                let Some((_, p)) = q.pop_front() else { break };
+        for q in &mut queues {
+            while q.front().is_some_and(|(due, _, _)| *due <= now) {
+                let Some((_, dst, p)) = q.pop_front() else {
+                    break;
+                };
                 // SAFETY: writing p's bytes to a TUN descriptor we own; a
                 // packet the kernel refuses is lost, as on a wire.
                 unsafe { libc::write(tuns[dst].as_raw_fd(), p.as_ptr().cast(), p.len()) };
@@ -140,6 +159,7 @@ fn carry(tuns: &[OwnedFd], subnet: [u8; 3], shared: &Shared) {
             continue;
         }
         let delay = Duration::from_nanos(shared.delay_ns.load(Ordering::Relaxed));
+        let rate = shared.rate_bps.load(Ordering::Relaxed);
         for (src, pfd) in fds.iter_mut().enumerate() {
             if pfd.revents & libc::POLLIN == 0 {
                 continue;
@@ -156,7 +176,18 @@ fn carry(tuns: &[OwnedFd], subnet: [u8; 3], shared: &Shared) {
                 }
                 p.truncate(got as usize);
                 match destination(&p, subnet, n) {
-                    Some(dst) => queues[dst].push_back((Instant::now() + delay, p)),
+                    Some(dst) => {
+                        // Serialized after the host's earlier packets, then
+                        // the delay.
+                        let now = Instant::now();
+                        let mut sent = now;
+                        if rate > 0 {
+                            let ns = (p.len() as u64 * 8).saturating_mul(1_000_000_000) / rate;
+                            sent = busy[src].max(now) + Duration::from_nanos(ns);
+                            busy[src] = sent;
+                        }
+                        queues[src].push_back((sent + delay, dst, p));
+                    }
                     None => {
                         shared.dropped.fetch_add(1, Ordering::Relaxed);
                         spare.push(p);

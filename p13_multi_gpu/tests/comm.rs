@@ -324,3 +324,56 @@ fn a_rows_sums_do_not_depend_on_how_many_rows_share_the_buffer() {
     let s = shm::group(world, DEADLINE).unwrap();
     assert_eq!(first_row(&s, 1, &rows), first_row(&s, 5, &rows), "shm");
 }
+
+/// A rank blocked in a collective (a follower waiting for rank 0's next
+/// plan) still answers for its stats: they are not behind the call's lock.
+#[test]
+fn stats_answer_while_a_rank_waits() {
+    for (name, comms) in [
+        (
+            "threads",
+            boxed(threads::group(
+                2,
+                Duration::from_secs(10),
+                Algorithm::default(),
+            )),
+        ),
+        (
+            "tcp",
+            boxed(tcp::loopback_group(2, Duration::from_secs(10), Algorithm::default()).unwrap()),
+        ),
+        (
+            "shm",
+            boxed(shm::group(2, Duration::from_secs(10)).unwrap()),
+        ),
+    ] {
+        std::thread::scope(|s| {
+            let waiting = s.spawn(|| {
+                let mut b = Vec::new();
+                comms[1].broadcast_wait(0, &mut b, None).map(|()| b)
+            });
+            std::thread::sleep(Duration::from_millis(50));
+            let (tx, rx) = std::sync::mpsc::channel();
+            let c = &comms[1];
+            s.spawn(move || tx.send(c.stats()).unwrap());
+            let stats = rx
+                .recv_timeout(Duration::from_secs(2))
+                .unwrap_or_else(|_| panic!("{name}: stats blocked behind a waiting call"));
+            let before = stats.calls;
+            let mut msg = b"go".to_vec();
+            comms[0].broadcast(0, &mut msg).unwrap();
+            assert_eq!(waiting.join().unwrap().unwrap(), b"go", "{name}");
+            assert_eq!(
+                comms[1].stats().calls,
+                before + 1,
+                "{name}: the finished call is counted"
+            );
+        });
+    }
+}
+
+fn boxed<C: Communicator + 'static>(v: Vec<C>) -> Vec<Box<dyn Communicator>> {
+    v.into_iter()
+        .map(|c| Box::new(c) as Box<dyn Communicator>)
+        .collect()
+}
