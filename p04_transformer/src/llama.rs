@@ -121,7 +121,7 @@ impl Llama {
         let (c, p) = (&self.cfg, self.split.size.max(1));
         PartDims {
             n_head: c.n_head / p,
-            n_kv_head: c.n_kv_head / p,
+            n_kv_head: self.split.kv_heads(c.n_kv_head).len(),
             intermediate_size: c.intermediate_size / p,
         }
     }

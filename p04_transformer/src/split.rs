@@ -206,12 +206,33 @@ impl Split {
         self.stage + 1 == self.stages.max(1)
     }
 
-    /// The counts this split must divide: query heads, K/V heads, the MLP
-    /// width, and the vocabulary when the head is vocab-parallel.
+    /// The K/V heads this rank keeps. A share of them when the size
+    /// divides them; when the ranks outnumber the K/V heads (and their
+    /// count divides the size) one each, every K/V head kept by size /
+    /// n_kv_head ranks: those whose query heads read it (vLLM's rule). The
+    /// tiny Llama's 2 K/V heads at TP = 4: ranks 0 and 1 keep head 0.
+    pub fn kv_heads(&self, n_kv_head: usize) -> Range<usize> {
+        let p = self.size.max(1);
+        if p > n_kv_head {
+            let h = self.rank * n_kv_head / p;
+            h..h + 1
+        } else {
+            part(n_kv_head, self.rank, p)
+        }
+    }
+
+    /// Whether `size` ranks can share `n_kv_head` K/V heads: a share each
+    /// or a replicated head each.
+    fn kv_fits(size: usize, n_kv_head: usize) -> bool {
+        n_kv_head.is_multiple_of(size) || size.is_multiple_of(n_kv_head)
+    }
+
+    /// The counts this split must divide: query heads, the MLP width, and
+    /// the vocabulary when the head is vocab-parallel (the K/V heads are
+    /// divided or replicated: [`Split::kv_heads`]).
     fn counts(&self, c: &LlamaConfig) -> Vec<(&'static str, usize)> {
         let mut counts = vec![
             ("the query heads", c.n_head),
-            ("the K/V heads", c.n_kv_head),
             ("the MLP width", c.intermediate_size),
         ];
         if self.head == HeadSplit::VocabParallel {
@@ -233,12 +254,18 @@ impl Split {
             });
         }
         let counts = self.counts(c);
-        let Some(&(what, count)) = counts.iter().find(|(_, n)| !n.is_multiple_of(self.size)) else {
-            return Ok(());
+        let kv = ("the K/V heads", c.n_kv_head);
+        let failed = match counts.iter().find(|(_, n)| !n.is_multiple_of(self.size)) {
+            Some(&f) => f,
+            None if !Split::kv_fits(self.size, c.n_kv_head) => kv,
+            None => return Ok(()),
         };
+        let (what, count) = failed;
         let smallest = counts.iter().map(|&(_, n)| n).min().unwrap_or(1);
         let divisors = (1..=smallest)
-            .filter(|d| counts.iter().all(|&(_, n)| n.is_multiple_of(*d)))
+            .filter(|&d| {
+                counts.iter().all(|&(_, n)| n.is_multiple_of(d)) && Split::kv_fits(d, c.n_kv_head)
+            })
             .collect();
         Err(SplitError::Indivisible {
             size: self.size,
@@ -282,7 +309,7 @@ impl Split {
                 by_rows(h.start * hd..h.end * hd)
             }
             Role::K | Role::V => {
-                let h = part(c.n_kv_head, r, p);
+                let h = self.kv_heads(c.n_kv_head);
                 by_rows(h.start * hd..h.end * hd)
             }
             Role::Gate | Role::Up => by_rows(part(c.intermediate_size, r, p)),
@@ -372,6 +399,61 @@ mod tests {
         }
         assert_eq!(q_rows, (0..576).collect::<Vec<_>>());
         assert_eq!(down_cols, (0..1536).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn ranks_beyond_the_kv_heads_replicate_them() {
+        // 4 query heads, 2 K/V heads: TP = 4 gives each rank one query
+        // head and the K/V head its query head reads.
+        let c = LlamaConfig {
+            n_head: 4,
+            n_kv_head: 2,
+            head_dim: 8,
+            hidden_size: 32,
+            intermediate_size: 64,
+            ..smollm2()
+        };
+        let kv: Vec<_> = (0..4)
+            .map(|r| {
+                let s = Split::new(r, 4, HeadSplit::Replicated).unwrap();
+                s.check(&c).unwrap();
+                s.kv_heads(c.n_kv_head)
+            })
+            .collect();
+        assert_eq!(kv, vec![0..1, 0..1, 1..2, 1..2]);
+        // Query head r reads K/V head r / (4 / 2): the same.
+        assert_eq!(
+            Split::new(3, 4, HeadSplit::Replicated)
+                .unwrap()
+                .keep(Role::K, &c, [16, 32], None)
+                .rows,
+            Some((8..16).collect())
+        );
+        // 3 K/V heads and 6 ranks would replicate; 2 ranks neither divide
+        // nor replicate them.
+        let c6 = LlamaConfig {
+            n_head: 6,
+            n_kv_head: 3,
+            intermediate_size: 60,
+            ..c
+        };
+        assert!(Split::new(0, 6, HeadSplit::Replicated)
+            .unwrap()
+            .check(&c6)
+            .is_ok());
+        let e = Split::new(0, 2, HeadSplit::Replicated)
+            .unwrap()
+            .check(&c6)
+            .unwrap_err();
+        assert_eq!(
+            e,
+            SplitError::Indivisible {
+                size: 2,
+                what: "the K/V heads",
+                count: 3,
+                divisors: vec![1, 3, 6],
+            }
+        );
     }
 
     #[test]

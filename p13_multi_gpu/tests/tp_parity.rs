@@ -1,5 +1,5 @@
 //! Tensor parallelism against one process: the tiny Llama at TP = 2 and
-//! SmolLM2 at TP = 3 (f32 and native weights, replicated and
+//! 4 (its K/V heads replicated) and SmolLM2 at TP = 3 (f32 and native weights, replicated and
 //! vocab-parallel head), over threads, loopback TCP and shared memory.
 //! Greedy tokens equal TP = 1's, logits within 1e-4 of the logit scale
 //! (f32; native: within its own measured jitter), TCP and shared memory
@@ -170,6 +170,9 @@ fn check(path: &Path, weights: Weights, head: HeadSplit, world: usize, prompt: &
     let whole_bytes = weight_bytes(&whole.engine.model).0;
     let head_bytes = whole.engine.model.lm_head.weights().weight_bytes();
     let whole_kv_heads = common::BatchModel::kv_shape(&whole.engine).n_kv_head;
+    let kv_bytes: usize = (whole.engine.model.blocks.iter())
+        .map(|b| b.wk.weights().weight_bytes() + b.wv.weights().weight_bytes())
+        .sum();
     drop(whole);
 
     let by_threads = run_ranks(path, weights, head, threads_world(world), prompt);
@@ -194,9 +197,12 @@ fn check(path: &Path, weights: Weights, head: HeadSplit, world: usize, prompt: &
             "{what}: rank {r}: {diff} of the logit scale, over {tol}: {at}"
         );
         // Each rank holds 1/P of the block projections (the head, when
-        // replicated, whole on every rank) and 1/P of the K/V heads.
-        let blocks = whole_bytes - head_bytes;
+        // replicated, whole on every rank) and 1/P of the K/V heads; with
+        // more ranks than K/V heads, one K/V head's K and V each.
+        let kv_heads = (whole_kv_heads / world).max(1);
+        let blocks = whole_bytes - head_bytes - kv_bytes;
         let want_bytes = blocks / world
+            + kv_bytes / whole_kv_heads * kv_heads
             + match head {
                 HeadSplit::Replicated => head_bytes,
                 HeadSplit::VocabParallel => head_bytes / world,
@@ -205,11 +211,7 @@ fn check(path: &Path, weights: Weights, head: HeadSplit, world: usize, prompt: &
             t.proj_bytes, want_bytes,
             "{what}: rank {r}'s projection bytes"
         );
-        assert_eq!(
-            t.kv_heads * world,
-            whole_kv_heads,
-            "{what}: rank {r}'s K/V heads"
-        );
+        assert_eq!(t.kv_heads, kv_heads, "{what}: rank {r}'s K/V heads");
     }
 }
 
@@ -228,6 +230,19 @@ fn tiny_llama_at_tp_2_equals_one_process() {
         Weights::F32,
         HeadSplit::Replicated,
         2,
+        &[1, 17, 33, 5, 99, 64],
+    );
+}
+
+#[test]
+fn tiny_llama_at_tp_4_replicates_its_kv_heads_and_equals_one_process() {
+    // 4 query heads and 2 K/V heads: each rank one query head and the K/V
+    // head it reads, each K/V head kept by two ranks.
+    check(
+        &tiny_llama(),
+        Weights::F32,
+        HeadSplit::Replicated,
+        4,
         &[1, 17, 33, 5, 99, 64],
     );
 }
@@ -259,17 +274,15 @@ fn smollm2_at_tp_3_equals_one_process_f32_and_native() {
 
 #[test]
 fn degrees_that_do_not_divide_the_model_are_refused_with_the_numbers() {
-    // The tiny Llama has 4 query and 2 K/V heads: TP = 4 splits the
-    // queries but not the K/V heads; TP = 3 neither.
-    for (world, what) in [(4, "K/V heads (2)"), (3, "query heads (4)")] {
-        let c = threads_world(world).remove(0);
-        let e = load_rank(&tiny_llama(), Weights::F32, HeadSplit::Replicated, c, 1).unwrap_err();
-        let msg = e.to_string();
-        assert!(
-            msg.contains(what) && msg.contains("[1, 2]"),
-            "TP={world}: {msg}"
-        );
-    }
+    // The tiny Llama has 4 query and 2 K/V heads: TP = 3 splits neither
+    // (TP = 4 replicates the K/V heads, above).
+    let c = threads_world(3).remove(0);
+    let e = load_rank(&tiny_llama(), Weights::F32, HeadSplit::Replicated, c, 1).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("query heads (4)") && msg.contains("[1, 2, 4]"),
+        "TP=3: {msg}"
+    );
     // SmolLM2's 9 query heads refuse TP = 2 (vLLM's rule too).
     let c = threads_world(2).remove(0);
     let e = load_rank(&smollm2(), Weights::Native, HeadSplit::Replicated, c, 1).unwrap_err();
