@@ -146,6 +146,10 @@ fn sizes(m: &p04_transformer::Llama, kv: usize) -> (usize, usize, usize) {
     (proj, replicated, kv)
 }
 
+/// Each rank's (projection bytes, replicated bytes, K/V bytes per
+/// position).
+pub(crate) type RankBytes = Vec<(usize, usize, usize)>;
+
 /// A driver: one request through the engine core, timed.
 pub(crate) type Driver<'a> = dyn FnMut(&[u32], usize) -> Result<Drive> + 'a;
 
@@ -159,7 +163,7 @@ pub(crate) fn with_world<T>(
     prompt_len: usize,
     comms: Vec<Arc<dyn Communicator>>,
     body: impl FnOnce(&mut Driver<'_>) -> Result<T>,
-) -> Result<(T, Vec<(usize, usize, usize)>)> {
+) -> Result<(T, RankBytes)> {
     let tok =
         p04_transformer::Tokenizer::from_gguf(&p04_transformer::GgufFile::open(path)?.header)?;
     let cfg = config(prompt_len);

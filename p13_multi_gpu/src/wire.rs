@@ -181,8 +181,8 @@ fn carry(tuns: &[OwnedFd], subnet: [u8; 3], shared: &Shared) {
                         // the delay.
                         let now = Instant::now();
                         let mut sent = now;
-                        if rate > 0 {
-                            let ns = (p.len() as u64 * 8).saturating_mul(1_000_000_000) / rate;
+                        let bits = (p.len() as u64 * 8).saturating_mul(1_000_000_000);
+                        if let Some(ns) = bits.checked_div(rate) {
                             sent = busy[src].max(now) + Duration::from_nanos(ns);
                             busy[src] = sent;
                         }
