@@ -24,6 +24,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::Args;
 use common::numbers::{command_line, Recorder, Row};
+use common::plot::{line_chart, Labels, Scale, Series};
 use common::stats::summarize;
 
 use crate::bench::time_world;
@@ -217,6 +218,36 @@ pub fn run(a: &LinksArgs) -> Result<()> {
         }
         println!("{line}");
     }
+    // Step time against the added delay (the capped cell apart), measured
+    // and modelled; log axes, so the undelayed cell is the table's.
+    let mut series = Vec::new();
+    for (si, name) in ["TP=3", "PP=3"].iter().enumerate() {
+        let base = summarize(&steps[si][0]).median;
+        let (r, b) = paths[si][0];
+        let (mut meas, mut model) = (Vec::new(), Vec::new());
+        for (ci, cell) in cells.iter().enumerate().skip(1) {
+            if cell.rate_mbit.is_some() {
+                continue;
+            }
+            let x = cell.delay.as_secs_f64() * 1e6;
+            let (al, pb) = ab[ci];
+            meas.push((x, summarize(&steps[si][ci]).median * 1e3));
+            model.push((x, (base + r * (al - ab[0].0) + b * (pb - ab[0].1)) * 1e3));
+        }
+        series.push(Series::new(format!("{name} measured (median)"), meas));
+        series.push(Series::new(format!("{name} α–β model"), model));
+    }
+    line_chart(
+        &common::assets::workspace_root().join("p13_multi_gpu/plots/decode_step_vs_link_delay.png"),
+        Labels {
+            title: "SmolLM2 decode step, 3 ranks on 3 simulated hosts",
+            x: "one-way link delay (µs)",
+            y: "decode step (ms)",
+        },
+        &series,
+        Scale::LogLog,
+    )
+    .map_err(anyhow::Error::msg)?;
     if !a.no_record {
         Recorder::for_workspace(command_line("p13_multi_gpu"))
             .machine_note(&format!("3 hosts as network namespaces, delay by {note}"))
