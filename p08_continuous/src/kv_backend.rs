@@ -91,4 +91,6 @@ pub struct KvMetric {
     /// "counter" or "gauge".
     pub kind: &'static str,
     pub value: f64,
+    /// A `rank` label (one series per rank of a split model), or none.
+    pub rank: Option<usize>,
 }

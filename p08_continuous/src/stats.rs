@@ -117,13 +117,26 @@ impl StepStats {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
             let _ = writeln!(out, "{name}{{{labels}}} {v}");
         }
+        let mut last = "";
         for m in &self.kv_metrics {
-            let _ = writeln!(
-                out,
-                "# HELP {} {}\n# TYPE {} {}",
-                m.name, m.help, m.name, m.kind
-            );
-            let _ = writeln!(out, "{}{{{labels}}} {}", m.name, m.value);
+            // A metric's series (one per rank) share one HELP and TYPE.
+            if m.name != last {
+                let _ = writeln!(
+                    out,
+                    "# HELP {} {}\n# TYPE {} {}",
+                    m.name, m.help, m.name, m.kind
+                );
+                last = m.name;
+            }
+            match m.rank {
+                Some(r) => {
+                    let sep = if labels.is_empty() { "" } else { "," };
+                    let _ = writeln!(out, "{}{{{labels}{sep}rank=\"{r}\"}} {}", m.name, m.value);
+                }
+                None => {
+                    let _ = writeln!(out, "{}{{{labels}}} {}", m.name, m.value);
+                }
+            }
         }
         let name = "vllm:kv_cache_usage_perc";
         let _ = writeln!(

@@ -111,30 +111,35 @@ impl KvBackend for PagedKv {
                 help: "Prompt tokens looked up in the prefix cache.",
                 kind: "counter",
                 value: p.queries as f64,
+                rank: None,
             },
             KvMetric {
                 name: "vllm:prefix_cache_hits",
                 help: "Prompt tokens served from the prefix cache.",
                 kind: "counter",
                 value: p.hits as f64,
+                rank: None,
             },
             KvMetric {
                 name: "inference_lab:kv_blocks_total",
                 help: "Blocks in the K/V pool.",
                 kind: "gauge",
                 value: pool.num_blocks() as f64,
+                rank: None,
             },
             KvMetric {
                 name: "inference_lab:kv_blocks_free",
                 help: "Blocks no sequence holds (cached ones included).",
                 kind: "gauge",
                 value: pool.num_free() as f64,
+                rank: None,
             },
             KvMetric {
                 name: "inference_lab:kv_blocks_cached_free",
                 help: "Free blocks that still hold a cached prefix.",
                 kind: "gauge",
                 value: pool.num_cached_free() as f64,
+                rank: None,
             },
         ]
     }

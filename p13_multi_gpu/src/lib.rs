@@ -14,6 +14,7 @@
 //!   the weights and K/V heads, its row-parallel projections completed by
 //!   an all-reduce; [`pp`]: pipeline stages and micro-batches;
 //! - [`runner`]: rank 0 broadcasts each step's plan, the others follow;
+//!   [`report`]: every rank's own times for rank 0's `/metrics`;
 //!   [`serve`]: the server and the ranks' processes; `bench`: all-reduce.
 
 #[cfg(feature = "bench")]
@@ -28,6 +29,7 @@ pub mod hosts;
 pub mod mesh;
 pub mod nccl;
 pub mod pp;
+pub mod report;
 pub mod runner;
 pub mod serve;
 pub mod shm;

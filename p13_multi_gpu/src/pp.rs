@@ -17,6 +17,7 @@
 
 use std::ops::{Deref, Range};
 use std::sync::Arc;
+use std::time::Instant;
 
 use common::batch::Batch;
 use p05_kv_cache::llama_engine::{LlamaEngine, LlamaWorkspace, StageOut};
@@ -26,6 +27,7 @@ use p08_continuous::scheduler::SeqId;
 use p08_continuous::{ModelRunner, StepPlan};
 
 use crate::comm::{bytes_f32, chunk, f32_bytes, CommError, Communicator};
+use crate::report::RankTimes;
 use crate::runner::{broadcast_plan, broadcast_stop, follow_plans, RankError, Recovery};
 
 fn comm_err(e: CommError) -> RunnerError {
@@ -105,6 +107,7 @@ pub struct PpRunner<P: Deref<Target = LlamaEngine>, S: KvStorage> {
     micro: usize,
     msg: Vec<u8>,
     recovery: Option<Recovery>,
+    times: RankTimes,
 }
 
 impl<P: Deref<Target = LlamaEngine>, S: KvStorage> std::fmt::Debug for PpRunner<P, S> {
@@ -124,6 +127,7 @@ impl<P: Deref<Target = LlamaEngine>, S: KvStorage> PpRunner<P, S> {
             micro,
             msg: Vec::new(),
             recovery: None,
+            times: RankTimes::default(),
         }
     }
 
@@ -135,6 +139,7 @@ impl<P: Deref<Target = LlamaEngine>, S: KvStorage> PpRunner<P, S> {
             micro,
             msg: Vec::new(),
             recovery: Some(recovery),
+            times: RankTimes::default(),
         }
     }
 }
@@ -207,7 +212,10 @@ impl<P: Deref<Target = LlamaEngine>, S: KvStorage> PpRunner<P, S> {
 
 impl<P: Deref<Target = LlamaEngine>, S: KvStorage> ModelRunner for PpRunner<P, S> {
     fn execute(&mut self, plan: &StepPlan, logits: &mut Vec<f32>) -> Result<(), RunnerError> {
+        let (t0, c0) = (Instant::now(), self.comm.stats().seconds);
         let ran = self.execute_once(plan, logits);
+        (self.times.mine).add(t0.elapsed(), self.comm.stats().seconds - c0);
+        let ran = ran.and_then(|()| self.times.after_step(&*self.comm).map_err(comm_err));
         ran.map_err(|e| Recovery::recover(self.recovery.as_mut(), &*self.comm, e))
     }
 
@@ -238,10 +246,12 @@ impl<P: Deref<Target = LlamaEngine>, S: KvStorage> ModelRunner for PpRunner<P, S
     }
 
     fn metrics(&self) -> Vec<p08_continuous::kv_backend::KvMetric> {
-        crate::runner::world_metrics(
+        let mut m = crate::runner::world_metrics(
             &*self.comm,
             self.recovery.as_ref().map_or(0, |r| r.restarts),
-        )
+        );
+        m.extend(self.times.metrics());
+        m
     }
 }
 

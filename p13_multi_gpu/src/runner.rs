@@ -11,10 +11,11 @@
 //! ```
 //!
 //! A command is one byte, then its body: 1 = a step's plan (Project 08's
-//! binary encoding), 2 = stop.
+//! binary encoding), 2 = stop, 3 = report your times
+//! ([`crate::report`]).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use p08_continuous::kv_backend::KvMetric;
 use p08_continuous::kv_transfer::{KvBuffer, KvLayout};
@@ -24,6 +25,7 @@ use p08_continuous::{ModelRunner, StepPlan};
 use thiserror::Error;
 
 use crate::comm::{CommError, Communicator};
+use crate::report::{RankTimes, Since, REPORT};
 use crate::swap::SwapComm;
 
 const STEP: u8 = 1;
@@ -63,6 +65,7 @@ pub fn world_metrics(comm: &dyn Communicator, restarts: u64) -> Vec<KvMetric> {
         help,
         kind,
         value,
+        rank: None,
     };
     vec![
         m(
@@ -136,6 +139,7 @@ pub struct TpRunner<R: ModelRunner> {
     comm: Arc<dyn Communicator>,
     msg: Vec<u8>,
     recovery: Option<Recovery>,
+    times: RankTimes,
 }
 
 impl<R: ModelRunner + std::fmt::Debug> std::fmt::Debug for TpRunner<R> {
@@ -154,6 +158,7 @@ impl<R: ModelRunner> TpRunner<R> {
             comm,
             msg: Vec::new(),
             recovery: None,
+            times: RankTimes::default(),
         }
     }
 
@@ -168,6 +173,7 @@ impl<R: ModelRunner> TpRunner<R> {
             comm: recovery.swap.clone(),
             msg: Vec::new(),
             recovery: Some(recovery),
+            times: RankTimes::default(),
         }
     }
 
@@ -202,9 +208,14 @@ pub fn broadcast_stop(comm: &dyn Communicator) {
 
 impl<R: ModelRunner> ModelRunner for TpRunner<R> {
     fn execute(&mut self, plan: &StepPlan, logits: &mut Vec<f32>) -> Result<(), RunnerError> {
+        let (t0, c0) = (Instant::now(), self.comm.stats().seconds);
         let ran = self
             .send(plan)
             .and_then(|()| self.local.execute(plan, logits));
+        (self.times.mine).add(t0.elapsed(), self.comm.stats().seconds - c0);
+        let ran = ran.and_then(|()| {
+            (self.times.after_step(&*self.comm)).map_err(|e| RunnerError::Model(Box::new(e)))
+        });
         ran.map_err(|e| self.recover(e))
     }
 
@@ -235,10 +246,12 @@ impl<R: ModelRunner> ModelRunner for TpRunner<R> {
     }
 
     fn metrics(&self) -> Vec<KvMetric> {
-        world_metrics(
+        let mut m = world_metrics(
             &*self.comm,
             self.recovery.as_ref().map_or(0, |r| r.restarts),
-        )
+        );
+        m.extend(self.times.metrics());
+        m
     }
 }
 
@@ -264,18 +277,25 @@ pub fn follow<R: ModelRunner>(comm: &dyn Communicator, local: &mut R) -> Result<
     })
 }
 
-/// Receive rank 0's plans and hand each to `step`, until stop.
+/// Receive rank 0's plans and hand each to `step` (timed, for the
+/// reports rank 0 asks for), until stop.
 pub fn follow_plans(
     comm: &dyn Communicator,
     mut step: impl FnMut(&StepPlan) -> Result<(), RankError>,
 ) -> Result<(), RankError> {
     let mut msg = Vec::new();
+    let mut since = Since::default();
     loop {
         comm.broadcast_wait(0, &mut msg, None::<Duration>)?;
         match msg.split_first() {
             Some((&STEP, body)) => {
                 let plan = StepPlan::decode(body).map_err(|e| RankError::Command(e.to_string()))?;
+                let (t0, c0) = (Instant::now(), comm.stats().seconds);
                 step(&plan)?;
+                since.add(t0.elapsed(), comm.stats().seconds - c0);
+            }
+            Some((&REPORT, _)) => {
+                since.answer(comm)?;
             }
             Some((&STOP, _)) => return Ok(()),
             _ => {

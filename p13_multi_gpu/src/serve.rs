@@ -35,7 +35,7 @@ use crate::comm::Communicator;
 use crate::frame::{Hello, PROTOCOL_VERSION};
 use crate::mesh::{Algorithm, Mesh};
 use crate::pp::{follow_stage, PpRunner, Stage};
-use crate::runner::{follow, Recovery, Restart, TpRunner};
+use crate::runner::{follow, RankError, Recovery, Restart, TpRunner};
 use crate::swap::SwapComm;
 use crate::tcp::{self, TcpLinks};
 use crate::tp::{load_part, load_rank, Weights};
@@ -86,6 +86,12 @@ pub struct SplitArgs {
     /// The job's token: ranks with another refuse to join.
     #[arg(long)]
     pub token: Option<u64>,
+    /// With --peers: when a rank is lost, how long every other rank waits
+    /// for it to be started again (by hand, or by systemd or a platform)
+    /// and to rejoin; rank 0 then recomputes its running requests, which
+    /// pause meanwhile. 0: no rejoin, the running requests fail.
+    #[arg(long, default_value_t = 120)]
+    pub rejoin_timeout_s: u64,
 }
 
 #[derive(Clone, Debug, Args)]
@@ -176,6 +182,16 @@ impl SplitArgs {
     /// Join the other ranks as `rank`, within two minutes (they may still
     /// be starting).
     fn join(&self, rank: usize, listener: &TcpListener, layout: u64) -> Result<Mesh<TcpLinks>> {
+        self.join_within(rank, listener, layout, Duration::from_secs(120))
+    }
+
+    fn join_within(
+        &self,
+        rank: usize,
+        listener: &TcpListener,
+        layout: u64,
+        setup: Duration,
+    ) -> Result<Mesh<TcpLinks>> {
         let hello = Hello {
             version: PROTOCOL_VERSION,
             world: self.world() as u32,
@@ -183,7 +199,7 @@ impl SplitArgs {
             token: self.token.unwrap_or(0),
             layout,
         };
-        let links = tcp::connect(listener, &self.peers, hello, Duration::from_secs(120))
+        let links = tcp::connect(listener, &self.peers, hello, setup)
             .with_context(|| format!("rank {rank} joining {:?}", self.peers))?;
         Ok(Mesh::new(links, self.deadline(), Algorithm::default()))
     }
@@ -243,17 +259,24 @@ pub async fn serve(mut a: TpServeArgs) -> Result<()> {
         comm.barrier().context("waiting for every rank to load")?;
         let info = common::Model::info(&engine).clone();
         let (engine, tokenizer) = (Arc::new(engine), Arc::new(tokenizer));
-        let recovery = spawn.then(|| Recovery {
-            swap,
-            restarts: 0,
-            restart: restarter(
+        let restart = match spawn {
+            true => Some(restarter(
                 split.clone(),
                 path.to_path_buf(),
                 paged.block_size,
                 kv_mib,
                 layout,
                 children,
-            ),
+            )),
+            false if split.rejoin_timeout_s > 0 && split.world() > 1 => {
+                Some(rejoiner(split.clone(), 0, listener.try_clone()?, layout))
+            }
+            false => None,
+        };
+        let recovery = restart.map(|restart| Recovery {
+            swap,
+            restarts: 0,
+            restart,
         });
         let engine = match split.pp > 1 {
             true => {
@@ -337,6 +360,21 @@ fn restarter(
     })
 }
 
+/// How a rank of a world joined with `--peers` rebuilds it when a rank
+/// is lost: it cannot start the lost rank (another host's), so it waits
+/// up to `--rejoin-timeout-s` for it to be started again and for every
+/// rank to join on the same addresses, then meets them at a barrier
+/// (the restarted rank's comes after it has loaded its slice).
+fn rejoiner(split: SplitArgs, rank: usize, listener: TcpListener, layout: u64) -> Restart {
+    Box::new(move || {
+        let wait = Duration::from_secs(split.rejoin_timeout_s);
+        eprintln!("rank {rank}: waiting up to {wait:?} for every rank to rejoin");
+        let comm = split.join_within(rank, &listener, layout, wait)?;
+        comm.barrier()?;
+        Ok(Arc::new(comm) as Arc<dyn Communicator>)
+    })
+}
+
 /// Ranks 1.. as child processes of this one.
 fn start_ranks(
     split: &SplitArgs,
@@ -363,6 +401,8 @@ fn start_ranks(
             ])
             .args(["--peers", &peers.join(",")])
             .args(["--token", &split.token.unwrap_or(0).to_string()])
+            // Rank 0 restarts them all itself (`restarter`).
+            .args(["--rejoin-timeout-s", "0"])
             .args(["--block-size", &block_size.to_string()])
             .args(["--kv-cache-mib", &kv_mib.to_string()]);
         if split.vocab_parallel_head {
@@ -394,7 +434,10 @@ pub fn rank(a: RankArgs) -> Result<()> {
     let listener = TcpListener::bind(s.peers[a.rank])
         .with_context(|| format!("rank {} binding {}", a.rank, s.peers[a.rank]))?;
     let layout = s.layout_hash(&a.model, a.block_size, a.kv_cache_mib)?;
-    let comm = Arc::new(s.join(a.rank, &listener, layout)?);
+    // The model's collectives call the world through `swap`, so that a
+    // rejoined world can replace it under the loaded slice.
+    let swap = Arc::new(SwapComm::new(Arc::new(s.join(a.rank, &listener, layout)?)));
+    let comm: Arc<dyn Communicator> = swap.clone();
     let loaded = s.load(a.rank, &a.model, comm.clone())?;
     let kv = PagedKv::new(
         loaded.engine.kv_shape(),
@@ -405,12 +448,35 @@ pub fn rank(a: RankArgs) -> Result<()> {
     let storage = kv.new_storage();
     comm.barrier().context("waiting for every rank to load")?;
     let what = || format!("rank {}", a.rank);
+    let mut rejoin =
+        (s.rejoin_timeout_s > 0).then(|| rejoiner(s.clone(), a.rank, listener, layout));
+    // After a failed follow: if this rank's links broke (a rank was lost)
+    // and rejoining is on, rejoin the rebuilt world keeping the loaded
+    // slice (rank 0 recomputes the K/V); else the error.
+    let mut recover = |e: RankError| -> Result<()> {
+        match (&mut rejoin, comm.broken()) {
+            (Some(restart), Some(why)) => {
+                eprintln!("rank {}: {why}", a.rank);
+                let next = restart()
+                    .map_err(|re| anyhow::anyhow!("{re}"))
+                    .with_context(what)?;
+                swap.replace(next);
+                eprintln!("rank {}: rejoined", a.rank);
+                Ok(())
+            }
+            _ => Err(anyhow::Error::new(e).context(what())),
+        }
+    };
     if s.pp > 1 {
         let mut stage = Stage::new(&loaded.engine, storage);
-        follow_stage(&*comm, &mut stage, s.pp).with_context(what)?;
+        while let Err(e) = follow_stage(&*comm, &mut stage, s.pp) {
+            recover(e)?;
+        }
     } else {
         let mut runner = LocalRunner::new(&loaded.engine, storage);
-        follow(&*comm, &mut runner).with_context(what)?;
+        while let Err(e) = follow(&*comm, &mut runner) {
+            recover(e)?;
+        }
     }
     Ok(())
 }

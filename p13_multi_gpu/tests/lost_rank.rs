@@ -106,17 +106,92 @@ fn a_killed_pipeline_stage_is_restarted_likewise() {
     survive(&["--pp", "3"]);
 }
 
+/// Ranks joined with `--peers` (as on several hosts): rank 0 cannot start
+/// the lost one, so the test does (as systemd or a platform would), with
+/// the same command; every rank rejoins on the same addresses.
+#[test]
+fn a_killed_rank_joined_with_peers_rejoins_when_started_again() {
+    survive(&["--tp", "3", "--joined"]);
+}
+
+/// Ranks 1 and 2 of a `--peers` world, as this test's own processes.
+struct Joined {
+    args: Vec<String>,
+    ranks: Vec<std::process::Child>,
+}
+
+impl Joined {
+    fn start(&mut self, rank: usize) {
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_p13_multi_gpu"))
+            .args(["rank", "--rank", &rank.to_string()])
+            .args(&self.args)
+            .spawn()
+            .unwrap();
+        self.ranks[rank] = child;
+    }
+}
+
+impl Drop for Joined {
+    fn drop(&mut self) {
+        for c in &mut self.ranks {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 /// The server with `split` (native weights), 8 streams, rank 2 killed.
 fn survive(split: &[&str]) {
+    let joined = split.contains(&"--joined");
+    let split: Vec<&str> = split.iter().copied().filter(|a| *a != "--joined").collect();
     let mut args = vec!["--weights", "native", "--kv-cache-mib", "256"];
     args.extend_from_slice(&["--collective-timeout-s", "30"]);
-    args.extend_from_slice(split);
-    let (mut child, url) = support::spawn_server(&args);
+    args.extend_from_slice(&split);
+    let mut common_args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    let mut others = None;
+    if joined {
+        // Three free loopback ports, one per rank.
+        let ports: Vec<String> = (0..3)
+            .map(|_| {
+                let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+                l.local_addr().unwrap().to_string()
+            })
+            .collect();
+        let model = common::assets::ensure(common::assets::Asset::SmolLm2).unwrap();
+        common_args.extend([
+            "--peers".into(),
+            ports.join(","),
+            "--token".into(),
+            "4242".into(),
+        ]);
+        common_args.extend(["--rejoin-timeout-s".into(), "120".into()]);
+        let mut rank_args = common_args.clone();
+        rank_args.extend(["--model".into(), model.display().to_string()]);
+        let mut j = Joined {
+            args: rank_args,
+            ranks: Vec::new(),
+        };
+        for r in 0..3 {
+            // Slot 0 is a placeholder (rank 0 is the server).
+            j.ranks
+                .push(std::process::Command::new("true").spawn().unwrap());
+            if r > 0 {
+                j.start(r);
+            }
+        }
+        others = Some(j);
+    }
+    let server_args: Vec<&str> = common_args.iter().map(String::as_str).collect();
+    let (mut child, url) = support::spawn_server(&server_args);
     let rt = tokio::runtime::Runtime::new().unwrap();
     // 1. The answers with no rank lost.
     let want = rt.block_on(all_streams(&url, Arc::new(AtomicUsize::new(0))));
-    // 2. The same 8 streams; rank 2 is killed once they have begun.
-    let old = rank_pid(child.id(), 2).expect("rank 2 runs as a child of rank 0");
+    // 2. The same 8 streams; rank 2 is killed once they have begun (and,
+    //    joined with --peers, started again at once by this test).
+    let old = match &others {
+        Some(j) => j.ranks[2].id() as i32,
+        None => rank_pid(child.id(), 2).expect("rank 2 runs as a child of rank 0"),
+    };
     let deltas = Arc::new(AtomicUsize::new(0));
     let (got, killed_after) = rt.block_on(async {
         let run = tokio::spawn({
@@ -128,15 +203,22 @@ fn survive(split: &[&str]) {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let killed_after = deltas.load(Ordering::SeqCst);
-        // SAFETY: kill(2) of a process this test's server started.
+        // SAFETY: kill(2) of a process this test (or its server) started.
         unsafe {
             libc::kill(old, libc::SIGKILL);
+        }
+        if let Some(j) = &mut others {
+            let _ = j.ranks[2].wait();
+            j.start(2);
         }
         (run.await.unwrap(), killed_after)
     });
     // 3. The world is whole again: rank 2 is a new process, and /metrics
     //    counts one restart of a world of 3.
-    let new = rank_pid(child.id(), 2);
+    let new = match &others {
+        Some(j) => Some(j.ranks[2].id() as i32),
+        None => rank_pid(child.id(), 2),
+    };
     let metrics = rt.block_on(async {
         reqwest::get(format!("{url}/metrics"))
             .await
@@ -185,4 +267,21 @@ fn survive(split: &[&str]) {
     );
     assert_eq!(metric("inference_lab:ranks{"), Some(3.0), "{metrics}");
     assert!(metric("inference_lab:collective_seconds_total{").is_some_and(|s| s > 0.0));
+    // Every rank's own times, reported to rank 0 (rank 2's new process
+    // included): steps took time, and their collectives were part of it.
+    for r in 0..3 {
+        let series = |name: &str| {
+            metrics
+                .lines()
+                .find(|l| l.starts_with(name) && l.contains(&format!("rank=\"{r}\"}}")))
+                .and_then(|l| l.rsplit(' ').next())
+                .and_then(|v| v.parse::<f64>().ok())
+        };
+        let step = series("inference_lab:rank_step_seconds_total{");
+        let comm = series("inference_lab:rank_collective_seconds_total{");
+        assert!(
+            step.is_some_and(|s| s > 0.0) && comm.is_some_and(|c| c > 0.0 && c <= step.unwrap()),
+            "rank {r}: step {step:?} s, collectives {comm:?} s\n{metrics}"
+        );
+    }
 }
