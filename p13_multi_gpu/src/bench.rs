@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use common::numbers::{command_line, Recorder, Row};
+use common::plot::{line_chart, Labels, Scale, Series};
 use common::stats::summarize;
 
 use crate::mesh::Algorithm;
@@ -178,6 +179,52 @@ pub fn all_reduce(a: &AllReduceArgs) -> Result<()> {
             ));
         }
     }
+    // Latency (median and p95) and bandwidth against the size, per backend.
+    let at = |b: usize, f: &dyn Fn(&common::stats::Summary, usize) -> f64| -> Vec<(f64, f64)> {
+        (SIZES.iter().enumerate())
+            .map(|(i, &bytes)| (bytes as f64, f(&summarize(&samples[b][i]), bytes)))
+            .collect()
+    };
+    let mut latency = Vec::new();
+    let mut bandwidth = Vec::new();
+    for (b, name) in names.iter().enumerate() {
+        latency.push(Series::new(
+            format!("{name} median"),
+            at(b, &|s, _| s.median * 1e6),
+        ));
+        latency.push(Series::new(
+            format!("{name} p95"),
+            at(b, &|s, _| s.p95 * 1e6),
+        ));
+        bandwidth.push(Series::new(
+            format!("{name} (at median)"),
+            at(b, &|s, bytes| bytes as f64 / s.median / 1e9),
+        ));
+    }
+    let dir = common::assets::workspace_root().join("p13_multi_gpu/plots");
+    let title = format!("all-reduce over {} ranks (this machine: 2 cores)", a.world);
+    line_chart(
+        &dir.join("allreduce_latency.png"),
+        Labels {
+            title: &title,
+            x: "bytes",
+            y: "latency (µs)",
+        },
+        &latency,
+        Scale::LogLog,
+    )
+    .map_err(anyhow::Error::msg)?;
+    line_chart(
+        &dir.join("allreduce_bandwidth.png"),
+        Labels {
+            title: &title,
+            x: "bytes",
+            y: "algorithm bandwidth (GB/s)",
+        },
+        &bandwidth,
+        Scale::LogLog,
+    )
+    .map_err(anyhow::Error::msg)?;
     if !a.no_record {
         Recorder::for_workspace(command_line("p13_multi_gpu")).append(&rows)?;
     }
