@@ -47,6 +47,8 @@ enum Setup {
     One,
     TpShm,
     TpTcp,
+    /// TP = 3 over TCP with the LM head split by vocabulary rows.
+    TpTcpVocab,
     PpTcp,
 }
 
@@ -56,6 +58,7 @@ impl Setup {
             Setup::One => "TP=1",
             Setup::TpShm => "TP=3 shm",
             Setup::TpTcp => "TP=3 tcp",
+            Setup::TpTcpVocab => "TP=3 tcp vocab-parallel head",
             Setup::PpTcp => "PP=3 tcp",
         }
     }
@@ -69,6 +72,9 @@ struct Round {
     decode_s: Vec<f64>,
     comm_s: f64,
     ranks: Vec<(usize, usize, usize)>,
+    /// Rank 0's calls and bytes sent per decode step.
+    calls: f64,
+    bytes: f64,
 }
 
 fn config(prompt: usize) -> ContinuousConfig {
@@ -159,6 +165,7 @@ pub(crate) type Driver<'a> = dyn FnMut(&[u32], usize) -> Result<Drive> + 'a;
 /// (projection bytes, replicated bytes, K/V bytes per position).
 pub(crate) fn with_world<T>(
     pp: bool,
+    head: HeadSplit,
     path: &std::path::Path,
     prompt_len: usize,
     comms: Vec<Arc<dyn Communicator>>,
@@ -180,9 +187,7 @@ pub(crate) fn with_world<T>(
                         true => {
                             load_part(path, Weights::Native, Split::stage(c.rank(), world)?, 1)?
                         }
-                        false => {
-                            load_rank(path, Weights::Native, HeadSplit::Replicated, c.clone(), 1)?
-                        }
+                        false => load_rank(path, Weights::Native, head, c.clone(), 1)?,
                     };
                     let kv = PagedKv::new(l.engine.kv_shape(), 16, KV_BYTES, false)?;
                     let size = sizes(&l.engine.model, l.engine.kv_shape().bytes_per_position());
@@ -199,7 +204,7 @@ pub(crate) fn with_world<T>(
         let c = comms.remove(0);
         let l = match pp {
             true => load_part(path, Weights::Native, Split::stage(0, world)?, 1)?,
-            false => load_rank(path, Weights::Native, HeadSplit::Replicated, c.clone(), 1)?,
+            false => load_rank(path, Weights::Native, head, c.clone(), 1)?,
         };
         let kv = PagedKv::new(l.engine.kv_shape(), 16, KV_BYTES, false)?;
         let mut ranks = vec![sizes(
@@ -240,6 +245,8 @@ fn round(setup: Setup, path: &std::path::Path, prompt: &[u32], decode: usize) ->
             decode_s: d.decode_s,
             comm_s: 0.0,
             ranks: vec![s],
+            calls: 0.0,
+            bytes: 0.0,
         });
     }
     let deadline = Duration::from_secs(120);
@@ -253,11 +260,19 @@ fn round(setup: Setup, path: &std::path::Path, prompt: &[u32], decode: usize) ->
             .map(|c| Arc::new(c) as Arc<dyn Communicator>)
             .collect(),
     };
-    let (d, ranks) = with_world(setup == Setup::PpTcp, path, prompt.len(), comms, |drive| {
+    let head = match setup {
+        Setup::TpTcpVocab => HeadSplit::VocabParallel,
+        _ => HeadSplit::Replicated,
+    };
+    let pp = setup == Setup::PpTcp;
+    let (d, ranks) = with_world(pp, head, path, prompt.len(), comms, |drive| {
         drive(prompt, decode)
     })?;
+    let steps = d.decode_s.len().max(1) as f64;
     Ok(Round {
         prefill_s: d.prefill_s,
+        calls: d.stats[0].calls as f64 / steps,
+        bytes: d.stats[0].bytes_sent as f64 / steps,
         decode_s: d.decode_s,
         comm_s: d.comm_s,
         ranks,
@@ -276,7 +291,13 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
         "the prompt text is shorter than {} tokens",
         a.prompt
     );
-    let setups = [Setup::One, Setup::TpShm, Setup::TpTcp, Setup::PpTcp];
+    let setups = [
+        Setup::One,
+        Setup::TpShm,
+        Setup::TpTcp,
+        Setup::TpTcpVocab,
+        Setup::PpTcp,
+    ];
     let mut rounds: Vec<Vec<Round>> = setups.iter().map(|_| Vec::new()).collect();
     for r in 0..a.rounds {
         for (i, &s) in setups.iter().enumerate() {
@@ -315,7 +336,7 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
         );
         let prediction = match s {
             Setup::One => "one core: ~60 ms per token at 1 thread",
-            Setup::TpShm | Setup::TpTcp => {
+            Setup::TpShm | Setup::TpTcp | Setup::TpTcpVocab => {
                 "slower than TP=1 here: 3 ranks on 2 cores, 60 all-reduces per token"
             }
             Setup::PpTcp => "≈ TP=1 plus 2 hand-offs: one sequence never overlaps stages",
@@ -358,8 +379,79 @@ pub fn run(a: &DecodeArgs) -> Result<()> {
             ));
         }
     }
+    rows.extend(core_per_rank(&setups, &rounds)?);
     if !a.no_record {
         Recorder::for_workspace(command_line("p13_multi_gpu")).append(&rows)?;
     }
     Ok(())
+}
+
+/// What TP = 3 would give with a core per rank, from this run: rank 0's
+/// compute as TP = 1's step scaled by its share of the projection bytes
+/// (decode streams the weights: its time goes with the bytes), plus each
+/// counted collective at loopback TCP's α and β measured now (4-byte and
+/// 1 MiB all-reduces over three ranks). A model, not a measurement: this
+/// machine has two cores for three ranks.
+fn core_per_rank(setups: &[Setup], rounds: &[Vec<Round>]) -> Result<Vec<Row>> {
+    let tcp = tcp::loopback_group(3, Duration::from_secs(60), Algorithm::default())?;
+    let alpha = summarize(&crate::bench::time_world(&tcp, 4, 5, 200)).median;
+    let ring = summarize(&crate::bench::time_world(&tcp, 1 << 20, 5, 2)).median;
+    // A ring's 2 (W − 1) rounds each move 1/W of the bytes.
+    let per_byte = ((ring / 4.0 - alpha) * 3.0 / (1 << 20) as f64).max(0.0);
+    let step = |i: usize| {
+        let v: Vec<f64> = rounds[i]
+            .iter()
+            .flat_map(|r| r.decode_s.iter().copied())
+            .collect();
+        summarize(&v).median
+    };
+    let one = setups
+        .iter()
+        .position(|&s| s == Setup::One)
+        .context("no TP=1 setup")?;
+    let (t1, proj1) = (step(one), rounds[one][0].ranks[0].0 as f64);
+    let mut rows = vec![
+        Row::new(
+            "p13 loopback TCP α (4 B all-reduce, 3 ranks), median",
+            alpha * 1e6,
+            "µs",
+        ),
+        Row::new(
+            "p13 loopback TCP β (1 MiB ring all-reduce, 3 ranks)",
+            1e-6 / per_byte.max(1e-18),
+            "MB/s",
+        ),
+    ];
+    for (i, &s) in setups.iter().enumerate() {
+        if !matches!(s, Setup::TpTcp | Setup::TpTcpVocab) {
+            continue;
+        }
+        let r = &rounds[i][0];
+        let share = r.ranks[0].0 as f64 / proj1;
+        let model = t1 * share + r.calls * alpha + r.bytes * per_byte;
+        let n = s.name();
+        rows.push(
+            Row::new(format!("p13 predicted decode step with a core per rank, {n}"), model * 1e3, "ms")
+                .predicted(format!(
+                    "TP=1's step × {share:.2} of the projection bytes + {:.0} collectives, {:.0} B per step",
+                    r.calls, r.bytes
+                )),
+        );
+        rows.push(Row::new(
+            format!("p13 predicted speedup over TP=1 with a core per rank, {n}"),
+            t1 / model,
+            "×",
+        ));
+        println!(
+            "{n}, a core per rank (model): {:.2} ms = {:.2} × {share:.2} + {:.0} × {:.1} µs + {:.0} B / {:.0} MB/s, {:.2}× TP=1",
+            model * 1e3,
+            t1 * 1e3,
+            r.calls,
+            alpha * 1e6,
+            r.bytes,
+            1e-6 / per_byte.max(1e-18),
+            t1 / model
+        );
+    }
+    Ok(rows)
 }

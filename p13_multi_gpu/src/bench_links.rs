@@ -27,6 +27,8 @@ use common::numbers::{command_line, Recorder, Row};
 use common::plot::{line_chart, Labels, Scale, Series};
 use common::stats::summarize;
 
+use p04_transformer::HeadSplit;
+
 use crate::bench::time_world;
 use crate::bench_decode::{with_world, Drive};
 use crate::hosts::{Hosts, Link};
@@ -126,19 +128,26 @@ pub fn run(a: &LinksArgs) -> Result<()> {
             .map(|c| Arc::new(c) as Arc<dyn Communicator>)
             .collect();
         let name = if pp { "PP=3" } else { "TP=3" };
-        with_world(pp, &path, prompt.len(), comms, |drive| {
-            drive(&prompt, 4)?; // warm-up
-            for r in 0..a.rounds {
-                for (ci, cell) in cells.iter().enumerate() {
-                    eprintln!("{name}, round {} of {}: {}", r + 1, a.rounds, cell.name());
-                    hosts.set_link(*cell)?;
-                    let d: Drive = drive(&prompt, a.decode)?;
-                    paths[si][ci] = critical_path(pp, &d.stats, d.decode_s.len());
-                    steps[si][ci].extend(d.decode_s);
+        with_world(
+            pp,
+            HeadSplit::Replicated,
+            &path,
+            prompt.len(),
+            comms,
+            |drive| {
+                drive(&prompt, 4)?; // warm-up
+                for r in 0..a.rounds {
+                    for (ci, cell) in cells.iter().enumerate() {
+                        eprintln!("{name}, round {} of {}: {}", r + 1, a.rounds, cell.name());
+                        hosts.set_link(*cell)?;
+                        let d: Drive = drive(&prompt, a.decode)?;
+                        paths[si][ci] = critical_path(pp, &d.stats, d.decode_s.len());
+                        steps[si][ci].extend(d.decode_s);
+                    }
                 }
-            }
-            Ok(())
-        })
+                Ok(())
+            },
+        )
         .with_context(|| name)?;
     }
 
