@@ -39,6 +39,14 @@ pub struct AllReduceArgs {
 /// a 16-token step's (36 KiB), then 1, 16 and 64 MiB.
 pub const SIZES: [usize; 6] = [4, 2304, 36_864, 1 << 20, 16 << 20, 64 << 20];
 
+/// Seconds per byte (1/β) from a ring all-reduce of `bytes` over `world`
+/// ranks that took `ring` seconds, given the per-message latency `alpha`:
+/// its 2 (W − 1) rounds each cost α plus 1/W of the bytes over β.
+pub(crate) fn ring_per_byte(alpha: f64, ring: f64, world: usize, bytes: usize) -> f64 {
+    let rounds = 2.0 * (world as f64 - 1.0);
+    ((ring / rounds - alpha) * world as f64 / bytes as f64).max(0.0)
+}
+
 /// Back-to-back calls per sample: enough to last ~20 ms on loopback.
 fn reps_for(bytes: usize) -> usize {
     (20_000_000 / (bytes + 20_000)).clamp(1, 2000)

@@ -396,8 +396,7 @@ fn core_per_rank(setups: &[Setup], rounds: &[Vec<Round>]) -> Result<Vec<Row>> {
     let tcp = tcp::loopback_group(3, Duration::from_secs(60), Algorithm::default())?;
     let alpha = summarize(&crate::bench::time_world(&tcp, 4, 5, 200)).median;
     let ring = summarize(&crate::bench::time_world(&tcp, 1 << 20, 5, 2)).median;
-    // A ring's 2 (W − 1) rounds each move 1/W of the bytes.
-    let per_byte = ((ring / 4.0 - alpha) * 3.0 / (1 << 20) as f64).max(0.0);
+    let per_byte = crate::bench::ring_per_byte(alpha, ring, 3, 1 << 20);
     let step = |i: usize| {
         let v: Vec<f64> = rounds[i]
             .iter()

@@ -29,7 +29,7 @@ use common::stats::summarize;
 
 use p04_transformer::HeadSplit;
 
-use crate::bench::time_world;
+use crate::bench::{ring_per_byte, time_world};
 use crate::bench_decode::{with_world, Drive};
 use crate::hosts::{Hosts, Link};
 use crate::{Algorithm, CommStats, Communicator};
@@ -97,9 +97,7 @@ fn critical_path(pp: bool, stats: &[CommStats], steps: usize) -> (f64, f64) {
 /// α (s) and 1/β (s per byte) of one cell from its probes' medians.
 fn alpha_beta(alpha: &[f64], ring: &[f64]) -> (f64, f64) {
     let a = summarize(alpha).median;
-    let rounds = 2.0 * (WORLD as f64 - 1.0);
-    let per_byte = ((summarize(ring).median / rounds - a) * WORLD as f64 / BIG as f64).max(0.0);
-    (a, per_byte)
+    (a, ring_per_byte(a, summarize(ring).median, WORLD, BIG))
 }
 
 pub fn run(a: &LinksArgs) -> Result<()> {
