@@ -162,7 +162,22 @@ impl Recorder {
     }
 
     /// Append rows, writing the table header first if the file has none.
+    /// Refuses (and writes nothing) when a timing row does not say which
+    /// statistic it is (see [`statistic_problem`]).
     pub fn append(&self, rows: &[Row]) -> std::io::Result<()> {
+        let bad: Vec<String> = rows
+            .iter()
+            .filter_map(|r| statistic_problem(r).map(|why| format!("`{}` ({why})", r.metric)))
+            .collect();
+        if !bad.is_empty() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "numbers.md takes no timing row without its statistic; nothing was written. Rows: {}",
+                    bad.join("; ")
+                ),
+            ));
+        }
         let existing = std::fs::read_to_string(&self.path).unwrap_or_default();
         let mut f = std::fs::OpenOptions::new()
             .create(true)
@@ -178,6 +193,77 @@ impl Recorder {
         }
         f.write_all(self.format(rows).as_bytes())
     }
+}
+
+/// Units of a time, or of work per unit of time: rows in these units are
+/// timings, and a timing must say which statistic of its samples it is.
+const TIMING_UNITS: [&str; 15] = [
+    "s", "ms", "us", "µs", "ns", "ms/token", "tok/s", "req/s", "GB/s", "MB/s", "GFLOP/s",
+    "TFLOP/s", "FLOP/s", "GMAC/s", "GiB/s",
+];
+
+/// What a timing row's metric may say it is: a statistic of several
+/// samples (median, p95, ...), a ceiling (best of N), a fit or a model, a
+/// ratio or difference of medians, an extreme (maximum, minimum), a
+/// prediction, or a figure of the whole run (requests completed over its
+/// wall time).
+const STATISTICS: [&str; 20] = [
+    "median",
+    "p95",
+    "p99",
+    "p90",
+    "p50",
+    "p5 of",
+    "mean",
+    "best of",
+    "fit",
+    "model",
+    "ratio",
+    "difference",
+    "slope",
+    "intercept",
+    "whole run",
+    "one run",
+    "at p95 time",
+    "maximum",
+    "minimum",
+    "predicted",
+];
+
+/// Fewest samples a median or a percentile may be taken over.
+pub const MIN_SAMPLES: usize = 5;
+
+/// Why `row` may not be recorded, if it may not: a timing (its unit is a
+/// time or a rate) whose metric names no statistic, or a median or
+/// percentile "of N" samples with N below [`MIN_SAMPLES`].
+pub fn statistic_problem(row: &Row) -> Option<String> {
+    if !TIMING_UNITS.contains(&row.unit.as_str()) {
+        return None;
+    }
+    let m = row.metric.to_lowercase();
+    if !STATISTICS.iter().any(|s| m.contains(s)) {
+        return Some(format!(
+            "a timing in {} that names no statistic: say median, p95, best of N, whole run, ratio of medians, ...",
+            row.unit
+        ));
+    }
+    // "median of 3", "p5 of 3 (slow tail)", "p95 of 4": too few samples.
+    for stat in ["median of ", "p5 of ", "p95 of ", "p99 of ", "p50 of "] {
+        let mut rest = m.as_str();
+        while let Some(i) = rest.find(stat) {
+            rest = &rest[i + stat.len()..];
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            if let Ok(n) = digits.parse::<usize>() {
+                if n < MIN_SAMPLES {
+                    return Some(format!(
+                        "a {}over {n} samples; take at least {MIN_SAMPLES}",
+                        stat.trim_end_matches("of ")
+                    ));
+                }
+            }
+        }
+    }
+    None
 }
 
 fn cell(s: &str) -> String {
@@ -315,10 +401,59 @@ mod tests {
             p.metric.ends_with("at p95 time") && p.value > 100.0 && p.value < 200.0,
             "{p:?}"
         );
-        let [m, p] = Row::rates_median_p5("tok/s", &[30.0, 10.0, 20.0], "tok/s", "");
-        assert_eq!((m.metric.as_str(), m.value), ("tok/s, median of 3", 20.0));
-        assert_eq!(p.metric, "tok/s, p5 of 3 (slow tail)");
-        assert!((p.value - 11.0).abs() < 1e-9, "{}", p.value);
+        let [m, p] = Row::rates_median_p5("tok/s", &[30.0, 10.0, 20.0, 50.0, 40.0], "tok/s", "");
+        assert_eq!((m.metric.as_str(), m.value), ("tok/s, median of 5", 30.0));
+        assert_eq!(p.metric, "tok/s, p5 of 5 (slow tail)");
+        assert!((p.value - 12.0).abs() < 1e-9, "{}", p.value);
+    }
+
+    #[test]
+    fn a_timing_without_its_statistic_is_refused_and_nothing_is_written() {
+        let dir = std::env::temp_dir().join(format!("common-numbers-stat-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("numbers.md");
+        std::fs::remove_file(&p).ok();
+        let r = Recorder::new(p.clone(), "cargo run -p x -- bench");
+        // Not timings: any name will do.
+        assert_eq!(statistic_problem(&Row::new("hit rate", 90.0, "%")), None);
+        assert_eq!(
+            statistic_problem(&Row::new("agreement", 12.0, "tokens")),
+            None
+        );
+        // Timings that say what they are.
+        for m in [
+            "step, median",
+            "step, p95",
+            "peak FMA (best of 3)",
+            "decode, at median time",
+            "requests over the whole run",
+            "TTFT p99",
+            "tok/s, median of 5",
+        ] {
+            assert_eq!(statistic_problem(&Row::new(m, 1.0, "ms")), None, "{m}");
+        }
+        // A bare timing, and a median of too few samples.
+        let bare = Row::new("p04 forward seq=16", 4.0, "ms");
+        assert!(statistic_problem(&bare)
+            .unwrap()
+            .contains("names no statistic"));
+        let [few, tail] = Row::rates_median_p5("decode", &[1.0, 2.0, 3.0], "tok/s", "");
+        assert!(statistic_problem(&few).unwrap().contains("over 3 samples"));
+        assert!(statistic_problem(&tail).unwrap().contains("over 3 samples"));
+        // A batch with one bad row writes nothing at all.
+        let good = Row::new("step, median", 1.0, "ms");
+        let err = r.append(&[good.clone(), bare]).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
+        assert!(err.to_string().contains("p04 forward seq=16"), "{err}");
+        assert!(
+            !p.exists(),
+            "a refused batch must not create or touch the file"
+        );
+        r.append(&[good]).unwrap();
+        assert!(std::fs::read_to_string(&p)
+            .unwrap()
+            .contains("| step, median | 1 | ms |"));
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]
@@ -328,13 +463,17 @@ mod tests {
         let p = dir.join("numbers.md");
         std::fs::remove_file(&p).ok();
         let r = Recorder::new(p.clone(), "cargo run -p x -- bench");
-        r.append(&[Row::new("latency b=1", 41.5, "us").predicted("~40 us")])
+        r.append(&[Row::new("latency b=1, median", 41.5, "us").predicted("~40 us")])
             .unwrap();
-        r.append(&[Row::new("a|b", 1.0e9, "FLOP/s")]).unwrap();
+        r.append(&[Row::new("a|b, best of 5", 1.0e9, "FLOP/s")])
+            .unwrap();
         let s = std::fs::read_to_string(&p).unwrap();
         assert_eq!(s.matches("| date (UTC) |").count(), 1, "{s}");
-        assert!(s.contains("| latency b=1 | 41.5 | us | ~40 us |"), "{s}");
-        assert!(s.contains("| a/b | 1.0000e9 | FLOP/s |"), "{s}");
+        assert!(
+            s.contains("| latency b=1, median | 41.5 | us | ~40 us |"),
+            "{s}"
+        );
+        assert!(s.contains("| a/b, best of 5 | 1.0000e9 | FLOP/s |"), "{s}");
         std::fs::remove_dir_all(&dir).ok();
     }
 }

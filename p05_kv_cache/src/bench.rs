@@ -43,10 +43,10 @@ pub fn decode_latency(engine: &LlamaEngine, pos: usize) -> Result<Summary> {
 }
 
 /// (prefill tok/s on 256 tokens, decode tok/s for 128 tokens after 16),
-/// one of each per run, 3 runs.
+/// one of each per run, `MIN_SAMPLES` (5) runs.
 pub fn speed_runs(engine: &LlamaEngine) -> Result<(Vec<f64>, Vec<f64>)> {
     let (mut pre, mut dec) = (Vec::new(), Vec::new());
-    for _ in 0..3 {
+    for _ in 0..common::numbers::MIN_SAMPLES {
         let p = ids(256);
         let t = Instant::now();
         let _ = engine.prefill(&p, 257)?;
@@ -81,10 +81,10 @@ pub fn decode_profile(engine: &LlamaEngine, runs: usize) -> Result<(Vec<f64>, Su
     Ok((rates, summarize(&steps)))
 }
 
-/// Median prefill tok/s of `n` tokens over 3 runs.
+/// Median prefill tok/s of `n` tokens over `MIN_SAMPLES` (5) runs.
 pub fn prefill_speed(engine: &LlamaEngine, n: usize) -> Result<f64> {
     let mut s = Vec::new();
-    for _ in 0..3 {
+    for _ in 0..common::numbers::MIN_SAMPLES {
         let t = Instant::now();
         let _ = engine.prefill(&ids(n), n + 1)?;
         s.push(n as f64 / t.elapsed().as_secs_f64());
@@ -187,6 +187,7 @@ pub fn peer(python: &Path, which: &str) -> Result<PeerRun> {
     let out = Command::new(python)
         .arg(root.join("scripts/bench_p05_peers.py"))
         .args(["--peer", which])
+        .args(["--reps", &common::numbers::MIN_SAMPLES.to_string()])
         .env("OMP_NUM_THREADS", "2")
         .output()
         .with_context(|| format!("running the {which} peer"))?;

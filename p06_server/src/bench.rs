@@ -313,16 +313,20 @@ async fn run_one(a: &BenchArgs, model: &str, arrival: Arrival) -> Result<Report>
         // Whole-run aggregates: one number per run.
         rows.extend([
             Row::new(
-                format!("{tag}: request throughput"),
+                format!("{tag}: request throughput, whole run"),
                 report.request_throughput,
                 "req/s",
             ),
             Row::new(
-                format!("{tag}: output throughput"),
+                format!("{tag}: output throughput, whole run"),
                 report.output_throughput,
                 "tok/s",
             ),
-            Row::new(format!("{tag}: goodput"), report.request_goodput, "req/s"),
+            Row::new(
+                format!("{tag}: goodput, whole run"),
+                report.request_goodput,
+                "req/s",
+            ),
             Row::new(format!("{tag}: failed"), report.failed as f64, "requests"),
         ]);
         let command = common::numbers::command_line("p06_server");

@@ -255,12 +255,12 @@ pub async fn serve(a: &ServeBenchArgs) -> Result<()> {
         a.concurrency, a.input_len, a.output_len
     );
     rows.push(Row::new(
-        format!("p07 serial (p06) output tok/s, {label}"),
+        format!("p07 serial (p06) output tok/s, whole run, {label}"),
         serial.output_throughput,
         "tok/s",
     ));
     rows.push(Row::new(
-        format!("p07 batcher output tok/s, {label}"),
+        format!("p07 batcher output tok/s, whole run, {label}"),
         batched.output_throughput,
         "tok/s",
     ));
@@ -386,7 +386,7 @@ pub async fn serve(a: &ServeBenchArgs) -> Result<()> {
                     a.sweep_rate
                 );
                 rows.push(Row::new(
-                    format!("p07 sweep req/s, {cfg}"),
+                    format!("p07 sweep req/s, whole run, {cfg}"),
                     r.request_throughput,
                     "req/s",
                 ));

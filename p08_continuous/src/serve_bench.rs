@@ -214,7 +214,7 @@ fn report_rows(sys: &str, what: &str, r: &Report, rows: &mut Vec<Row>) {
         r.itl.p99
     );
     rows.push(Row::new(
-        format!("p08 serve {what} output tok/s [{sys}]"),
+        format!("p08 serve {what} output tok/s, whole run [{sys}]"),
         r.output_throughput,
         "tok/s",
     ));
@@ -416,7 +416,7 @@ pub async fn serve(a: &ServeArgs) -> Result<()> {
                 "",
             ));
             rows.push(Row::new(
-                format!("p08 long-prompt arrival: ITL max during prefill {tag}"),
+                format!("p08 long-prompt arrival: ITL maximum during prefill {tag}"),
                 d.max,
                 "ms",
             ));
@@ -434,7 +434,7 @@ pub async fn serve(a: &ServeArgs) -> Result<()> {
                 "x",
             ));
             rows.push(Row::new(
-                format!("p08 long-prompt arrival: its TTFT {tag}"),
+                format!("p08 long-prompt arrival: its TTFT, median {tag}"),
                 long_report.ttft.median,
                 "ms",
             ));

@@ -589,7 +589,7 @@ async fn serve(
             );
             let what = format!("p10 serve closed c={c} ({n} requests)");
             rows.push(Row::new(
-                format!("{what} output tok/s [{sys_name}]"),
+                format!("{what} output tok/s, whole run [{sys_name}]"),
                 r.output_throughput,
                 "tok/s",
             ));

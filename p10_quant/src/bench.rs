@@ -127,7 +127,7 @@ fn llama_bench(bin: &Path, model: &Path, threads: usize) -> Result<(Vec<f64>, Ve
             "-n",
             "128",
             "-r",
-            "3",
+            &common::numbers::MIN_SAMPLES.to_string(),
         ])
         .args(["-o", "json"])
         .output()
@@ -214,12 +214,14 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     // 2. Speeds, f32 vs native vs llama.cpp.
     let bytes_nat = bytes_per_token(ne) as f64;
     let bytes_f32 = bytes_per_token(fe) as f64;
-    let (dec_f_runs, step_f) = p05_kv_cache::bench::decode_profile(fe, 3)?;
+    let (dec_f_runs, step_f) =
+        p05_kv_cache::bench::decode_profile(fe, common::numbers::MIN_SAMPLES)?;
     // The ceiling the native decode is read against, measured right before
     // and right after it (this VM's bandwidth moves between phases; one
     // measurement elsewhere in the run can land in a slow one).
     let bw_before = p02_read_bandwidth(threads);
-    let (dec_n_runs, step_n) = p05_kv_cache::bench::decode_profile(ne, 3)?;
+    let (dec_n_runs, step_n) =
+        p05_kv_cache::bench::decode_profile(ne, common::numbers::MIN_SAMPLES)?;
     let bw_after = p02_read_bandwidth(threads);
     let med = |v: &[f64]| common::stats::summarize(v).median;
     let (dec_f, dec_n) = (med(&dec_f_runs), med(&dec_n_runs));
@@ -385,13 +387,13 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         ("at the GEMV phase", bw_now),
     ] {
         rows.push(Row::new(
-            format!("p10 read bandwidth 256 MB {threads}t, {when}"),
+            format!("p10 read bandwidth 256 MB {threads}t (best of 3), {when}"),
             v,
             "GB/s",
         ));
     }
     rows.push(Row::new(
-        format!("p10 read bandwidth 256 MB {threads}t, the highest (the limit's denominator)"),
+        format!("p10 read bandwidth 256 MB {threads}t (best of 3), the highest (the limit's denominator)"),
         bw,
         "GB/s",
     ));

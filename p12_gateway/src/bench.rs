@@ -576,12 +576,16 @@ async fn kill(servers: &mut [Server], rows: &mut Vec<Row>) -> Result<()> {
     );
     rows.push(Row::new(format!("{m}: retries"), retries as f64, "retries"));
     rows.push(
-        Row::new(format!("{m}: kill to breaker open"), ms(opened), "ms")
-            .predicted("the next 3 requests to it"),
+        Row::new(
+            format!("{m}: kill to breaker open (one run)"),
+            ms(opened),
+            "ms",
+        )
+        .predicted("the next 3 requests to it"),
     );
     rows.push(
         Row::new(
-            format!("{m}: kill to ejected by health checks"),
+            format!("{m}: kill to ejected by health checks (one run)"),
             ms(ejected),
             "ms",
         )

@@ -416,7 +416,7 @@ fn core_per_rank(setups: &[Setup], rounds: &[Vec<Round>]) -> Result<Vec<Row>> {
             "µs",
         ),
         Row::new(
-            "p13 loopback TCP β (1 MiB ring all-reduce, 3 ranks)",
+            "p13 loopback TCP β (from the medians of a 1 MiB ring all-reduce and α, 3 ranks)",
             1e-6 / per_byte.max(1e-18),
             "MB/s",
         ),
