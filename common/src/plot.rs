@@ -1,4 +1,7 @@
-//! Line and log-log charts to PNG, on `plotters`.
+//! Line and log-log charts to PNG, on `plotters`. A logarithmic axis gets
+//! ticks at 1, 2 and 5 of each decade (decades alone when the axis spans
+//! many), labelled in plain numbers; a series may carry a spread (each
+//! point's median to p95, say) drawn as a bar.
 
 use std::path::Path;
 
@@ -29,6 +32,9 @@ pub enum PlotError {
 pub struct Series {
     pub name: String,
     pub points: Vec<(f64, f64)>,
+    /// (x, low, high): a vertical bar per point, e.g. from the median to
+    /// the p95 of its samples. Empty: no bars.
+    pub spread: Vec<(f64, f64, f64)>,
 }
 
 impl Series {
@@ -36,7 +42,60 @@ impl Series {
         Self {
             name: name.into(),
             points,
+            spread: Vec::new(),
         }
+    }
+
+    /// Draw a bar from `low` to `high` at each `x` (the series' colour).
+    pub fn with_spread(mut self, spread: Vec<(f64, f64, f64)>) -> Self {
+        self.spread = spread;
+        self
+    }
+}
+
+/// Tick values for a logarithmic axis over [lo, hi]: 1, 2 and 5 of each
+/// decade; 1 to 9 when that gives fewer than four; decades alone (every
+/// other, then every third, ...) when it gives more than twelve.
+pub fn log_ticks(lo: f64, hi: f64) -> Vec<f64> {
+    if !(lo > 0.0 && hi > lo && lo.is_finite() && hi.is_finite()) {
+        return Vec::new();
+    }
+    let (d0, d1) = (lo.log10().floor() as i32, hi.log10().ceil() as i32);
+    let within = |mults: &[f64], step: i32| -> Vec<f64> {
+        (d0..=d1)
+            .filter(|d| (d - d0) % step == 0)
+            .flat_map(|d| mults.iter().map(move |m| m * 10f64.powi(d)))
+            .filter(|v| *v >= lo * (1.0 - 1e-9) && *v <= hi * (1.0 + 1e-9))
+            .collect()
+    };
+    let t = within(&[1.0, 2.0, 5.0], 1);
+    if t.len() < 4 {
+        return within(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0], 1);
+    }
+    if t.len() <= 12 {
+        return t;
+    }
+    let mut step = 1;
+    loop {
+        let t = within(&[1.0], step);
+        if t.len() <= 12 {
+            return t;
+        }
+        step += 1;
+    }
+}
+
+/// A tick label in plain digits: 0.002, 0.5, 20, 5000, 2e6 (exponent form
+/// only past a million or under a thousandth).
+pub fn tick_label(v: f64) -> String {
+    let a = v.abs();
+    if v == 0.0 {
+        "0".into()
+    } else if !(1e-3..1e6).contains(&a) {
+        format!("{v:.0e}")
+    } else {
+        let s = format!("{v:.3}");
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
     }
 }
 
@@ -134,6 +193,7 @@ pub fn line_chart(
     root.fill(&WHITE).map_err(|e| err(&e))?;
 
     // One generic body for the three coordinate kinds.
+    let fmt = |v: &f64| tick_label(*v);
     macro_rules! draw {
         ($xr:expr, $yr:expr) => {{
             let mut chart = ChartBuilder::on(&root)
@@ -147,6 +207,9 @@ pub fn line_chart(
                 .configure_mesh()
                 .x_desc(labels.x)
                 .y_desc(labels.y)
+                .x_label_formatter(&fmt)
+                .y_label_formatter(&fmt)
+                .label_style(("sans-serif", 15))
                 .draw()
                 .map_err(|e| err(&e))?;
             for (i, s) in series.iter().enumerate() {
@@ -165,11 +228,32 @@ pub fn line_chart(
                         PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
                     });
                 chart
-                    .draw_series(pts.into_iter().map(|p| Circle::new(p, 3, c.filled())))
+                    .draw_series(pts.iter().map(|&p| Circle::new(p, 3, c.filled())))
+                    .map_err(|e| err(&e))?;
+                // A ring around each point of every series after the
+                // first, a size per series, so a point that two series
+                // share shows both.
+                if i > 0 {
+                    let r = 4 + 2 * ((i - 1) % 4) as i32;
+                    chart
+                        .draw_series(
+                            pts.into_iter()
+                                .map(|p| Circle::new(p, r, c.stroke_width(2))),
+                        )
+                        .map_err(|e| err(&e))?;
+                }
+                let bars = s.spread.iter().filter(|&&(x, lo, hi)| {
+                    x >= x0 && lo >= y0 && [x, lo, hi].iter().all(|v| v.is_finite())
+                });
+                chart
+                    .draw_series(bars.map(|&(x, lo, hi)| {
+                        PathElement::new(vec![(x, lo), (x, hi)], c.stroke_width(1))
+                    }))
                     .map_err(|e| err(&e))?;
             }
             chart
                 .configure_series_labels()
+                .label_font(("sans-serif", 16))
                 .background_style(WHITE.mix(0.8))
                 .border_style(BLACK)
                 .position(SeriesLabelPosition::UpperLeft)
@@ -177,10 +261,14 @@ pub fn line_chart(
                 .map_err(|e| err(&e))?;
         }};
     }
+    let (xt, yt) = (log_ticks(x0, x1), log_ticks(y0, y1));
     match scale {
         Scale::Linear => draw!(x0..x1, y0..y1),
-        Scale::LogLog => draw!((x0..x1).log_scale(), (y0..y1).log_scale()),
-        Scale::LogX => draw!((x0..x1).log_scale(), y0..y1),
+        Scale::LogLog => draw!(
+            (x0..x1).log_scale().with_key_points(xt),
+            (y0..y1).log_scale().with_key_points(yt)
+        ),
+        Scale::LogX => draw!((x0..x1).log_scale().with_key_points(xt), y0..y1),
     }
     root.present().map_err(|e| err(&e))
 }
@@ -194,8 +282,12 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("common-plot-{}", std::process::id()));
         let p = dir.join("chart.png");
         let s = vec![
-            Series::new("a", vec![(1.0, 10.0), (2.0, 20.0), (1024.0, 5e4)]),
-            Series::new("b", vec![(1.0, 3.0), (1024.0, 4e4)]),
+            Series::new("a", vec![(1.0, 10.0), (2.0, 20.0), (1024.0, 5e4)])
+                .with_spread(vec![(2.0, 20.0, 30.0)]),
+            Series::new(
+                "naive_ijk, pjqy",
+                vec![(1.0, 3.0), (1024.0, 4e4), (2.0, 20.0)],
+            ),
         ];
         let labels = Labels {
             title: "t",
@@ -210,5 +302,27 @@ mod tests {
             Err(PlotError::Empty { .. })
         ));
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn log_ticks_label_every_decade_and_more_when_few() {
+        // Three decades: 1, 2, 5 of each (the p07 step plot's 20..2000 ms).
+        assert_eq!(
+            log_ticks(20.0, 2000.0),
+            vec![20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0]
+        );
+        // Under a decade: 1..9.
+        assert_eq!(log_ticks(2.5, 9.5), vec![3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]);
+        // Many decades: decades only, at most twelve.
+        let t = log_ticks(1e-3, 1e9);
+        assert!(t.len() <= 12 && t.len() >= 6, "{t:?}");
+        assert!(t
+            .iter()
+            .all(|v| (v.log10() - v.log10().round()).abs() < 1e-9));
+        assert!(log_ticks(0.0, 10.0).is_empty());
+        assert_eq!(tick_label(0.5), "0.5");
+        assert_eq!(tick_label(2000.0), "2000");
+        assert_eq!(tick_label(0.002), "0.002");
+        assert_eq!(tick_label(2e6), "2e6");
     }
 }

@@ -272,7 +272,7 @@ pub fn run(
     let mut rows = Vec::new();
     println!("decode latency per token vs position (median of 10 steps; no cache = a full forward of pos+1 tokens)");
     let positions = [16usize, 32, 64, 128, 256, 512, 1024, 2048];
-    let (mut with, mut without) = (Vec::new(), Vec::new());
+    let (mut with, mut without, mut with_spread) = (Vec::new(), Vec::new(), Vec::new());
     for &pos in &positions {
         let step = decode_latency(engine, pos)?;
         let cached = step.median;
@@ -307,6 +307,7 @@ pub fn run(
             ))
         );
         with.push((pos as f64, cached * 1e3));
+        with_spread.push((pos as f64, cached * 1e3, step.p95 * 1e3));
         rows.extend(Row::median_p95(
             format!("p05 smollm2 decode latency pos={pos} (cache), 10 steps"),
             cached * 1e3,
@@ -438,7 +439,7 @@ pub fn run(
         &png,
         labels,
         &[
-            Series::new("with KV cache", with),
+            Series::new("with KV cache (bars: median to p95)", with).with_spread(with_spread),
             Series::new("without (full recompute)", without),
         ],
         Scale::LogLog,

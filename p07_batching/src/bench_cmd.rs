@@ -9,7 +9,7 @@ use clap::Args;
 use common::loadgen::Arrival;
 use common::numbers::{command_line, Recorder, Row};
 use common::plot::{line_chart, Labels, Scale, Series};
-use common::stats::summarize;
+use common::stats::{summarize, Summary};
 use p05_kv_cache::llama_engine::LlamaEngine;
 
 use crate::bench::{matmul_params, measure, StepPoint};
@@ -146,14 +146,31 @@ pub fn step(a: &StepArgs) -> Result<()> {
                 .map(|p| (p.batch as f64, f(p)))
                 .collect()
         };
-        series.push(Series::new(
-            format!("batched step, pos {pos}"),
-            pts(StepPoint::batched_tok_per_s),
-        ));
-        series.push(Series::new(
-            format!("single-sequence steps, pos {pos}"),
-            pts(StepPoint::single_tok_per_s),
-        ));
+        // Bars: from the rate at the p95 step time up to the median's.
+        let spread = |f: fn(&StepPoint) -> (f64, Summary)| -> Vec<(f64, f64, f64)> {
+            points
+                .iter()
+                .filter(|p| p.pos == pos)
+                .map(|p| {
+                    let (tokens, s) = f(p);
+                    (p.batch as f64, tokens / s.p95, tokens / s.median)
+                })
+                .collect()
+        };
+        series.push(
+            Series::new(
+                format!("batched step, pos {pos} (bars: median to p95)"),
+                pts(StepPoint::batched_tok_per_s),
+            )
+            .with_spread(spread(|p| (p.batch as f64, p.batched))),
+        );
+        series.push(
+            Series::new(
+                format!("single-sequence steps, pos {pos}"),
+                pts(StepPoint::single_tok_per_s),
+            )
+            .with_spread(spread(|p| (1.0, p.single))),
+        );
     }
     series.push(Series::new(
         "roofline prediction",
