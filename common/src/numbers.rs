@@ -230,6 +230,15 @@ const STATISTICS: [&str; 20] = [
     "predicted",
 ];
 
+/// Whether `phrase` occurs in `text` as whole words ("ratio" in "ratio of
+/// medians", not in "generation").
+fn contains_words(text: &str, phrase: &str) -> bool {
+    let word = |c: Option<char>| c.is_some_and(char::is_alphanumeric);
+    text.match_indices(phrase).any(|(i, _)| {
+        !word(text[..i].chars().next_back()) && !word(text[i + phrase.len()..].chars().next())
+    })
+}
+
 /// Fewest samples a median or a percentile may be taken over.
 pub const MIN_SAMPLES: usize = 5;
 
@@ -241,7 +250,7 @@ pub fn statistic_problem(row: &Row) -> Option<String> {
         return None;
     }
     let m = row.metric.to_lowercase();
-    if !STATISTICS.iter().any(|s| m.contains(s)) {
+    if !STATISTICS.iter().any(|s| contains_words(&m, s)) {
         return Some(format!(
             "a timing in {} that names no statistic: say median, p95, best of N, whole run, ratio of medians, ...",
             row.unit
@@ -432,7 +441,10 @@ mod tests {
         ] {
             assert_eq!(statistic_problem(&Row::new(m, 1.0, "ms")), None, "{m}");
         }
-        // A bare timing, and a median of too few samples.
+        // A bare timing (a statistic's name inside a word does not count),
+        // and a median of too few samples.
+        let inside = Row::new("naive generation", 12.0, "tok/s");
+        assert!(statistic_problem(&inside).is_some());
         let bare = Row::new("p04 forward seq=16", 4.0, "ms");
         assert!(statistic_problem(&bare)
             .unwrap()

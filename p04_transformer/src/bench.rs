@@ -112,7 +112,7 @@ pub fn run(model: &Transformer, seqs: &[usize], record: bool, command: &str) -> 
     );
     rows.push(
         Row::new(
-            "p04 smollm2 naive generation 16+32 tokens",
+            "p04 smollm2 naive generation 16+32 tokens, whole run (one generation)",
             stats.tok_per_s(),
             "tok/s",
         )
