@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Build, on this (CPU) machine, everything scripts/gpu_check.sh runs on the
-# GPU machine, which has no Rust toolchain: the release test binaries of
-# p03/p11 and their two commands, stripped, into gpu-bin/ (git-ignored; the
-# device tool carries it: run(..., carry=["gpu-bin"])). Also records the
-# commit they were built at, for the rows.
+# Build, on a machine with the Rust toolchain (no GPU needed), everything
+# scripts/gpu_check.sh runs on the GPU machine, which needs no Rust
+# toolchain: the release test binaries of p03/p11 and their two commands,
+# stripped, into gpu-bin/ (git-ignored). Also records the commit they were
+# built at, for the rows.
 #
-#   bash scripts/gpu_build.sh
+#   here:   bash scripts/gpu_build.sh
+#   then copy the repository, gpu-bin/ included, to the GPU machine;
+#   there:  bash scripts/gpu_check.sh
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -42,8 +44,8 @@ for line in sys.stdin:
 
 strip "$BIN"/p03_gpu_kernel "$BIN"/p11_gpu_bench "$BIN"/tests/*
 # The shared libraries the commands link for plotting (fontconfig, freetype
-# and theirs), used on the device only if its own are missing, and one font
-# with a fontconfig file naming it (a bare image may have no fonts).
+# and theirs), used on the GPU machine only if its own are missing, and one
+# font with a fontconfig file naming it (a bare machine may have no fonts).
 mkdir -p "$BIN/lib" "$BIN/fonts"
 ldd "$BIN/p11_gpu_bench" | awk '/=>/{print $3}' \
   | grep -v -E '/(libc|libm|libgcc_s|libpthread|libdl|ld-linux[^/]*)\.so' \
@@ -65,7 +67,8 @@ git rev-parse --short=10 HEAD > "$BIN/COMMIT"
 if [ -n "$(git status --porcelain --untracked-files=no -- . ':!numbers.md' ':!*/plots/*')" ]; then
   echo "$(cat "$BIN/COMMIT")-dirty" > "$BIN/COMMIT"
 fi
-# The newest glibc symbol version the binaries need (this machine: 2.36).
+# The newest glibc symbol version the binaries need (gpu_check.sh logs it
+# beside the GPU machine's own glibc, which must be at least that).
 need="$(objdump -T "$BIN"/p03_gpu_kernel "$BIN"/p11_gpu_bench "$BIN"/tests/* 2>/dev/null \
   | grep -o 'GLIBC_[0-9.]*' | sort -V | tail -1)"
 echo "$need" > "$BIN/GLIBC"

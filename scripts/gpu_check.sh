@@ -1,29 +1,32 @@
 #!/usr/bin/env bash
-# The GPU check: one prepared run on the device machine (one H200, CUDA 13,
-# PyTorch, no Rust toolchain, no network). It builds nothing: the binaries
-# come from `bash scripts/gpu_build.sh` on a CPU machine, carried in gpu-bin/.
+# The GPU check: one prepared run on a machine with an NVIDIA GPU (written
+# for an H200; it needs a CUDA 13 driver, and PyTorch for step 4; no Rust
+# toolchain, no network). It builds nothing: the binaries come from
+# `bash scripts/gpu_build.sh` on a machine with Rust, in gpu-bin/.
 #
-#   here:    bash scripts/gpu_build.sh
-#   device:  run(command="bash scripts/gpu_check.sh", carry=["gpu-bin"], timeout_s=400)
+#   on the machine with Rust:  bash scripts/gpu_build.sh
+#   copy the repository, gpu-bin/ included, to the GPU machine; there:
+#                              bash scripts/gpu_check.sh
+#   then copy gpu-out/ back into the repository on the first machine.
 #
 # Steps (each under its own time limit, all under one deadline of 330 s, so
-# the packing at the end always runs and a rerun fits in a session's 15
-# minutes of device time):
+# the packing at the end always runs and the whole check stays under six
+# minutes):
 #   1. where the CUDA libraries are; nvidia-smi; whether our binaries start
 #      (glibc, shared libraries) and see the device (`p03_gpu_kernel info`)
 #   2. every GPU test (`--ignored`) of p03 and p11, and their unit tests
 #   3. `p03_gpu_kernel bench`, then `p11_gpu_bench run`: rows, JSON, plots
 #   4. PyTorch on the same device as a second reference for the matmul peers
 #   5. compute-sanitizer memcheck over p03's GPU tests, if time is left
-# The device tool returns at most 8 files from $OUT, so what comes back is:
+# It writes five files into gpu-out/ (or $OUT, if set) to copy back:
 # log.txt, rows.md (numbers.md rows, stamped with the commit gpu-bin was
 # built at), torch.json, p11/suite.json, and all.tgz (every step's output,
 # nvidia-smi, and the plots: p03/plots, p11/plots). Exit status: the number
 # of failed steps (0 = all passed); 100 = the binaries cannot run here.
 #
 # `bash scripts/gpu_check.sh quick` runs step 1, the tests, and both benches
-# with --quick (about a minute): the first call of a session, to find out
-# cheaply that the binaries run there.
+# with --quick (about a minute): run it first where time on the GPU machine
+# is short, to find out cheaply that the binaries run there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
@@ -57,7 +60,7 @@ step() { # name timeout_s command...
   return "$rc"
 }
 
-pack() { # everything but the four loose files into all.tgz ($OUT returns at most 8 files)
+pack() { # everything but the four loose files into all.tgz (five files to copy back)
   local items=()
   for f in tests p03 p11/plots nvidia-smi.txt; do [ -e "$OUT/$f" ] && items+=("$f"); done
   if [ "${#items[@]}" -gt 0 ]; then
@@ -66,7 +69,7 @@ pack() { # everything but the four loose files into all.tgz ($OUT returns at mos
 }
 trap pack EXIT
 
-[ -d "$BIN" ] || { log "no $BIN: run scripts/gpu_build.sh here and carry gpu-bin"; exit 100; }
+[ -d "$BIN" ] || { log "no $BIN: run scripts/gpu_build.sh on a machine with Rust and copy gpu-bin/ here"; exit 100; }
 chmod +x "$BIN"/p03_gpu_kernel "$BIN"/p11_gpu_bench "$BIN"/tests/* 2>/dev/null
 # The binaries must be built from the sources that travelled with them.
 if ! (cd "$ROOT" && sha256sum --quiet -c "$BIN/SOURCES") >>"$OUT/log.txt" 2>&1; then
@@ -115,8 +118,8 @@ cat "$OUT/tests/info.txt" | tee -a "$OUT/log.txt"
 # ---- 2. tests ---------------------------------------------------------------
 # The unit tests include the GPU-opening one (it opens the device when a
 # driver is there); the integration tests are the ignored GPU tests. The
-# nvrtc tests fetch NVRTC through pip, which has no network here: skipped
-# (they run in every CPU test run).
+# nvrtc tests fetch NVRTC through pip, and a GPU machine may have no
+# network: skipped (they run in every CPU test run).
 step p03-unit 30 "$BIN/tests/p03_gpu_kernel-unit" --test-threads=1
 step p03-gpu 120 "$BIN/tests/p03_gpu_kernel-gpu" --ignored --test-threads=1
 step p11-unit 30 "$BIN/tests/p11_gpu_bench-unit" --test-threads=1
@@ -132,9 +135,9 @@ step p11-run 150 "$BIN/p11_gpu_bench" run $Q --out "$OUT/p11" --rows "$OUT/rows.
 step torch 90 python3 scripts/gpu_torch_check.py "$OUT/torch.json"
 
 # ---- 5. compute-sanitizer memcheck over the kernels' tests, if time is left
-# (it works on the Firecracker machines, not on gVisor: KINDS.md). Not
-# counted as a failure: a refusal there says nothing about our kernels; its
-# output is in all.tgz (tests/memcheck.txt) either way.
+# (some virtualised or sandboxed machines refuse it). Not counted as a
+# failure: a refusal there says nothing about our kernels; its output is in
+# all.tgz (tests/memcheck.txt) either way.
 if command -v compute-sanitizer >/dev/null 2>&1 && [ $((DEADLINE - SECONDS)) -gt 60 ]; then
   before=$FAILED
   step memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 9 \

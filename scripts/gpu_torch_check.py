@@ -1,6 +1,6 @@
-"""PyTorch on the device machine as a second reference for Project 03/11.
+"""PyTorch on the GPU machine as a second reference for Project 03/11.
 
-Run by scripts/gpu_check.sh (the device has PyTorch and no Rust toolchain).
+Run by scripts/gpu_check.sh (the GPU machine has PyTorch and needs no Rust toolchain).
 It measures what the Rust suite measures through cuBLAS, the same way (CUDA
 events after warm-up, medians), so the two peers can be compared in one run:
 FP32 matmul (TF32 off), BF16 matmul, device copy bandwidth, and one

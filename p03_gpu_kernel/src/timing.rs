@@ -88,7 +88,7 @@ pub fn time_auto(
 /// The least device time between a pair of events in [`time_auto`].
 pub const MIN_BATCH_MS: f64 = 1.0;
 
-/// Bring the clocks up before measuring: an idle H200 sits at 345 MHz and
+/// Bring the clocks up before measuring: an idle GPU sits far below its top clock and
 /// takes a moment of load to reach its 1,980 MHz. `work` (a heavy kernel)
 /// runs until `seconds` of host time have passed.
 pub fn warm_clocks(

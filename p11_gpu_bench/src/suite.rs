@@ -143,7 +143,7 @@ pub fn run(args: &SuiteArgs) -> anyhow::Result<Report> {
     let q = args.quick;
     // Device time per measured point (time_auto batches short work).
     let budget_ms = if q { 30.0 } else { 150.0 };
-    // Clocks up first (an idle H200 sits at 345 MHz).
+    // Clocks up first (an idle GPU sits far below its top clock).
     warm_up(&gpu, &Blas::new(&gpu)?, if q { 0.2 } else { 0.5 })?;
 
     let (b2b, synced) = launch_latency(&gpu, 1000, if q { 3 } else { 10 })?;
