@@ -232,8 +232,9 @@ pub fn line_chart(
                     .map_err(|e| err(&e))?;
                 // A ring around each point of every series after the
                 // first, a size per series, so a point that two series
-                // share shows both.
-                if i > 0 {
+                // share shows both (not on dense series: a CDF's hundreds
+                // of points would become a smear).
+                if i > 0 && pts.len() <= 40 {
                     let r = 4 + 2 * ((i - 1) % 4) as i32;
                     chart
                         .draw_series(
