@@ -60,8 +60,30 @@ pub fn load_split(
             name,
         )
     };
+    let info = model_info(
+        name,
+        model.cfg.vocab_size,
+        model.cfg.max_seq,
+        tokenizer.as_ref(),
+    );
+    Ok(LoadedEngine {
+        engine: LlamaEngine::new(model, info),
+        tokenizer,
+    })
+}
+
+/// What callers know of a model apart from its weights: its name, sizes
+/// and stop tokens (the tokenizer's end of sequence and the chat
+/// template's end of turn). A front end that only tokenizes (Project 14's
+/// proxy) builds the same record as the engine behind it.
+pub fn model_info(
+    name: String,
+    vocab_size: usize,
+    context_length: usize,
+    tokenizer: Option<&Tokenizer>,
+) -> ModelInfo {
     let mut stop_ids: Vec<u32> = Vec::new();
-    if let Some(t) = &tokenizer {
+    if let Some(t) = tokenizer {
         stop_ids.extend(t.eos_id);
         for s in ["<|im_end|>", "<|endoftext|>"] {
             if let Some(id) = t.id(s) {
@@ -71,15 +93,11 @@ pub fn load_split(
             }
         }
     }
-    let info = ModelInfo {
+    ModelInfo {
         name,
-        vocab_size: model.cfg.vocab_size,
-        context_length: model.cfg.max_seq,
-        bos_id: tokenizer.as_ref().and_then(|t| t.bos_id),
+        vocab_size,
+        context_length,
+        bos_id: tokenizer.and_then(|t| t.bos_id),
         stop_ids,
-    };
-    Ok(LoadedEngine {
-        engine: LlamaEngine::new(model, info),
-        tokenizer,
-    })
+    }
 }

@@ -1,0 +1,316 @@
+//! etcd through its v3 JSON gateway (`/v3/kv/range`, `/v3/kv/put`,
+//! `/v3/lease/grant`, `/v3/lease/keepalive`, `/v3/watch`): the gRPC API
+//! as JSON over HTTP, keys and values base64. Chosen over the gRPC client
+//! crate because it needs no `protoc` and no gRPC stack in the build (the
+//! workspace already speaks HTTP through reqwest), at the cost of a
+//! streaming watch parsed by hand. Every call has a deadline; several
+//! endpoints (a cluster's members) are tried in turn.
+
+use std::time::Duration;
+
+use base64::engine::general_purpose::STANDARD as B64;
+use base64::Engine as _;
+use futures_util::StreamExt;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum EtcdError {
+    #[error("etcd at {endpoints:?}: {message}")]
+    Unreachable {
+        endpoints: Vec<String>,
+        message: String,
+    },
+    #[error("etcd answered {status} to {path}: {body}")]
+    Status {
+        path: String,
+        status: u16,
+        body: String,
+    },
+    #[error("etcd answered {path} with {what}")]
+    Reply { path: String, what: String },
+    #[error("etcd lease {0} has expired")]
+    LeaseExpired(i64),
+}
+
+/// A key and its value, as read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Kv {
+    pub key: String,
+    pub value: Vec<u8>,
+    pub mod_revision: i64,
+}
+
+/// A change seen by a watch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WatchEvent {
+    Put(Kv),
+    Delete(String),
+}
+
+#[derive(Clone, Debug)]
+pub struct Etcd {
+    endpoints: Vec<String>,
+    http: reqwest::Client,
+    timeout: Duration,
+}
+
+fn b64(s: &[u8]) -> String {
+    B64.encode(s)
+}
+
+/// The key just past every key starting with `prefix` (etcd's range_end).
+pub fn prefix_end(prefix: &str) -> Vec<u8> {
+    let mut end = prefix.as_bytes().to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    vec![0]
+}
+
+fn num(v: &Value) -> Option<i64> {
+    match v {
+        Value::String(s) => s.parse().ok(),
+        Value::Number(n) => n.as_i64(),
+        _ => None,
+    }
+}
+
+#[derive(Deserialize)]
+struct RawKv {
+    key: String,
+    #[serde(default)]
+    value: String,
+    #[serde(default)]
+    mod_revision: Option<Value>,
+}
+
+fn decode_kv(raw: RawKv) -> Option<Kv> {
+    let key = String::from_utf8(B64.decode(raw.key).ok()?).ok()?;
+    let value = B64.decode(raw.value).ok()?;
+    let mod_revision = raw.mod_revision.as_ref().and_then(num).unwrap_or(0);
+    Some(Kv {
+        key,
+        value,
+        mod_revision,
+    })
+}
+
+impl Etcd {
+    /// `endpoints`: `http://host:port` of each member.
+    pub fn new(endpoints: Vec<String>, timeout: Duration) -> Etcd {
+        let http = reqwest::Client::builder()
+            .connect_timeout(timeout)
+            .build()
+            .unwrap_or_default();
+        Etcd {
+            endpoints,
+            http,
+            timeout,
+        }
+    }
+
+    pub fn endpoints(&self) -> &[String] {
+        &self.endpoints
+    }
+
+    /// POST `body` to `path` on the first member that answers.
+    async fn call(&self, path: &str, body: Value) -> Result<Value, EtcdError> {
+        let mut last = String::from("no endpoints");
+        for ep in &self.endpoints {
+            let r = self
+                .http
+                .post(format!("{ep}{path}"))
+                .json(&body)
+                .timeout(self.timeout)
+                .send()
+                .await;
+            match r {
+                Ok(r) => {
+                    let status = r.status().as_u16();
+                    let text = r.text().await.unwrap_or_default();
+                    if status != 200 {
+                        // An unavailable member (no leader, stopping): next.
+                        if status >= 500 {
+                            last = format!("{ep}: {status} {text}");
+                            continue;
+                        }
+                        return Err(EtcdError::Status {
+                            path: path.into(),
+                            status,
+                            body: text,
+                        });
+                    }
+                    return serde_json::from_str(&text).map_err(|e| EtcdError::Reply {
+                        path: path.into(),
+                        what: format!("unreadable JSON ({e})"),
+                    });
+                }
+                Err(e) => last = format!("{ep}: {e}"),
+            }
+        }
+        Err(EtcdError::Unreachable {
+            endpoints: self.endpoints.clone(),
+            message: last,
+        })
+    }
+
+    /// A lease of `ttl_s` seconds.
+    pub async fn grant(&self, ttl_s: i64) -> Result<i64, EtcdError> {
+        let v = self
+            .call("/v3/lease/grant", json!({ "TTL": ttl_s }))
+            .await?;
+        v.get("ID").and_then(num).ok_or(EtcdError::Reply {
+            path: "/v3/lease/grant".into(),
+            what: format!("no lease id: {v}"),
+        })
+    }
+
+    /// Renew a lease; an expired one is an error (re-register).
+    pub async fn keep_alive(&self, lease: i64) -> Result<i64, EtcdError> {
+        let v = self
+            .call("/v3/lease/keepalive", json!({ "ID": lease.to_string() }))
+            .await?;
+        let ttl = v.pointer("/result/TTL").and_then(num).unwrap_or(0);
+        if ttl <= 0 {
+            return Err(EtcdError::LeaseExpired(lease));
+        }
+        Ok(ttl)
+    }
+
+    pub async fn revoke(&self, lease: i64) -> Result<(), EtcdError> {
+        self.call("/v3/lease/revoke", json!({ "ID": lease.to_string() }))
+            .await
+            .map(|_| ())
+    }
+
+    pub async fn put(&self, key: &str, value: &[u8], lease: Option<i64>) -> Result<(), EtcdError> {
+        let mut body = json!({ "key": b64(key.as_bytes()), "value": b64(value) });
+        if let Some(l) = lease {
+            body["lease"] = json!(l.to_string());
+        }
+        self.call("/v3/kv/put", body).await.map(|_| ())
+    }
+
+    /// Every key under `prefix`, and the store's revision.
+    pub async fn get_prefix(&self, prefix: &str) -> Result<(Vec<Kv>, i64), EtcdError> {
+        let v = self
+            .call(
+                "/v3/kv/range",
+                json!({ "key": b64(prefix.as_bytes()), "range_end": b64(&prefix_end(prefix)) }),
+            )
+            .await?;
+        let rev = v.pointer("/header/revision").and_then(num).unwrap_or(0);
+        let kvs: Vec<RawKv> = v
+            .get("kvs")
+            .cloned()
+            .map(serde_json::from_value)
+            .transpose()
+            .map_err(|e| EtcdError::Reply {
+                path: "/v3/kv/range".into(),
+                what: format!("kvs: {e}"),
+            })?
+            .unwrap_or_default();
+        Ok((kvs.into_iter().filter_map(decode_kv).collect(), rev))
+    }
+
+    /// Watch `prefix` from `revision` on; `on_event` gets each change.
+    /// Returns when the stream ends or `idle` passes with nothing from
+    /// etcd (its progress notifications keep a live stream busy), with
+    /// the last revision seen: the caller resyncs and watches again.
+    pub async fn watch(
+        &self,
+        prefix: &str,
+        revision: i64,
+        idle: Duration,
+        mut on_event: impl FnMut(WatchEvent),
+    ) -> Result<i64, EtcdError> {
+        let body = json!({ "create_request": {
+            "key": b64(prefix.as_bytes()),
+            "range_end": b64(&prefix_end(prefix)),
+            "start_revision": revision.to_string(),
+            "progress_notify": true,
+        }});
+        let mut last_rev = revision;
+        let mut errors = String::new();
+        for ep in &self.endpoints {
+            let resp = match self
+                .http
+                .post(format!("{ep}/v3/watch"))
+                .json(&body)
+                .send()
+                .await
+            {
+                Ok(r) if r.status().is_success() => r,
+                Ok(r) => {
+                    errors = format!("{ep}: {}", r.status());
+                    continue;
+                }
+                Err(e) => {
+                    errors = format!("{ep}: {e}");
+                    continue;
+                }
+            };
+            let mut stream = resp.bytes_stream();
+            let mut buf: Vec<u8> = Vec::new();
+            loop {
+                let chunk = match tokio::time::timeout(idle, stream.next()).await {
+                    Ok(Some(Ok(c))) => c,
+                    _ => return Ok(last_rev),
+                };
+                buf.extend_from_slice(&chunk);
+                // The gateway writes one JSON object per message, newline
+                // separated.
+                while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
+                    let line: Vec<u8> = buf.drain(..=nl).collect();
+                    let Ok(v) = serde_json::from_slice::<Value>(&line) else {
+                        continue;
+                    };
+                    if let Some(r) = v.pointer("/result/header/revision").and_then(num) {
+                        last_rev = last_rev.max(r);
+                    }
+                    let events = v
+                        .pointer("/result/events")
+                        .and_then(Value::as_array)
+                        .cloned()
+                        .unwrap_or_default();
+                    for e in events {
+                        let is_delete = e.get("type").and_then(Value::as_str) == Some("DELETE");
+                        let Some(kv) = e
+                            .get("kv")
+                            .cloned()
+                            .and_then(|k| serde_json::from_value::<RawKv>(k).ok())
+                            .and_then(decode_kv)
+                        else {
+                            continue;
+                        };
+                        last_rev = last_rev.max(kv.mod_revision);
+                        on_event(match is_delete {
+                            true => WatchEvent::Delete(kv.key),
+                            false => WatchEvent::Put(kv),
+                        });
+                    }
+                }
+            }
+        }
+        Err(EtcdError::Unreachable {
+            endpoints: self.endpoints.clone(),
+            message: errors,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_prefix_ends_just_past_its_last_key() {
+        assert_eq!(prefix_end("/a/"), b"/a0".to_vec());
+        assert_eq!(prefix_end("ab"), b"ac".to_vec());
+    }
+}

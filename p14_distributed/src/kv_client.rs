@@ -1,0 +1,93 @@
+//! The decode worker's side of a transfer: connect to the prefill
+//! worker's K/V server, say what it holds (the hello), size the buffer
+//! from the accept before any frame arrives, read and check every layer,
+//! acknowledge. Runs on a thread of its own (never the model thread);
+//! every wait has the deadline it is given.
+
+use std::io::{BufReader, BufWriter, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use p08_continuous::kv_transfer::{KvBuffer, KvLayout};
+
+use crate::protocol::{self, Hello, ProtocolError, Status, VERSION};
+use crate::wire::TransferHandle;
+
+/// A pulled transfer.
+#[derive(Debug)]
+pub struct Pulled {
+    pub kv: KvBuffer,
+    pub meta: Vec<u8>,
+    /// Payload bytes read.
+    pub bytes: usize,
+    pub seconds: f64,
+}
+
+fn resolve(addr: &str) -> Result<SocketAddr, ProtocolError> {
+    addr.to_socket_addrs()?.next().ok_or_else(|| {
+        ProtocolError::Io(std::io::Error::new(
+            std::io::ErrorKind::AddrNotAvailable,
+            format!("no address for {addr}"),
+        ))
+    })
+}
+
+/// Pull `handle`'s K/V into a buffer of `layout`, refusing more than
+/// `max_tokens` positions; gives up after `timeout` without progress.
+pub fn pull(
+    handle: &TransferHandle,
+    layout: KvLayout,
+    model_id: u64,
+    max_tokens: usize,
+    timeout: Duration,
+) -> Result<Pulled, ProtocolError> {
+    let t0 = Instant::now();
+    let addr = resolve(&handle.kv_addr)?;
+    let conn = TcpStream::connect_timeout(&addr, timeout)?;
+    conn.set_nodelay(true)?;
+    conn.set_read_timeout(Some(timeout))?;
+    conn.set_write_timeout(Some(timeout))?;
+    let mut r = BufReader::with_capacity(1 << 20, conn.try_clone()?);
+    let mut w = BufWriter::new(conn);
+    let hello = Hello {
+        version: VERSION,
+        layout,
+        model_id,
+        transfer_id: handle.transfer_id,
+        prompt_hash: handle.prompt_hash,
+    };
+    w.write_all(&hello.encode()?)?;
+    w.flush()?;
+    let (tokens, meta) = protocol::read_accept(&mut r, max_tokens)?;
+    if tokens != handle.tokens {
+        return Err(ProtocolError::Range {
+            what: "tokens (against the prefill's reply)",
+            got: tokens as u64,
+            max: handle.tokens as u64,
+        });
+    }
+    // Allocated before the first frame: a frame is read straight into it.
+    let mut kv = KvBuffer::zeros(layout, tokens);
+    let mut scratch = Vec::new();
+    let mut bytes = 0;
+    for layer in 0..layout.n_layer {
+        match protocol::read_layer(&mut r, handle.transfer_id, layer, &mut kv, &mut scratch) {
+            Ok(n) => bytes += n,
+            Err(e) => {
+                if matches!(e, ProtocolError::Checksum { .. }) {
+                    let _ = protocol::write_ack(&mut w, handle.transfer_id, Status::Corrupt);
+                    let _ = w.flush();
+                }
+                return Err(e);
+            }
+        }
+    }
+    protocol::write_ack(&mut w, handle.transfer_id, Status::Ok)?;
+    w.flush()?;
+    Ok(Pulled {
+        kv,
+        meta,
+        bytes,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}

@@ -1,0 +1,49 @@
+//! `p14_distributed`: disaggregated prefill and decode.
+//!
+//!   cargo run --release -p p14_distributed -- up --prefill 1 --decode 1 --port 8000
+//!   cargo run --release -p p14_distributed -- prefill --etcd http://10.0.0.1:2379 --host 10.0.0.2
+//!   cargo run --release -p p14_distributed -- decode  --etcd http://10.0.0.1:2379 --host 10.0.0.3
+//!   cargo run --release -p p14_distributed -- proxy   --etcd http://10.0.0.1:2379 --port 8000
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use p14_distributed::proxy_serve::{ProxyArgs, UpArgs};
+use p14_distributed::registry::Role;
+use p14_distributed::worker_serve::{self, WorkerArgs};
+
+#[derive(Debug, Parser)]
+#[command(
+    about = "Project 14: prefill and decode workers over etcd and NATS, a K/V transfer protocol, a proxy speaking the OpenAI API"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// A local cluster in one command: etcd, NATS, the workers and the proxy.
+    Up(UpArgs),
+    /// A prefill worker.
+    Prefill(WorkerArgs),
+    /// A decode worker.
+    Decode(WorkerArgs),
+    /// The proxy (the OpenAI API) in front of the registered workers.
+    Proxy(ProxyArgs),
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Up(a) => worker_serve_up(a),
+        Cmd::Prefill(a) => worker_serve::run(Role::Prefill, a),
+        Cmd::Decode(a) => worker_serve::run(Role::Decode, a),
+        Cmd::Proxy(a) => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()?
+            .block_on(p14_distributed::proxy_serve::run(a)),
+    }
+}
+
+fn worker_serve_up(a: UpArgs) -> Result<()> {
+    p14_distributed::proxy_serve::up(a)
+}

@@ -1,0 +1,408 @@
+//! The proxy: Project 06's OpenAI API in front, disaggregated serving
+//! behind (vLLM's P/D proxy, Dynamo's frontend). It tokenizes (so a bad
+//! request is a 400 at once and the router sees the prompt's blocks),
+//! then for each request:
+//!
+//! 1. **prefill**: picks a prefill worker (longest cached prefix, then
+//!    load) and posts the prepared request; the answer is the first token
+//!    and a handle on the prompt's K/V, held there under a lease;
+//! 2. **decode**: picks a decode worker (most free K/V) and orders it to
+//!    pull the K/V and continue; its stream starts with `admitted`, then
+//!    the proxy sends the client the first token and relays the rest.
+//!
+//! Failures: a prefill worker that cannot be reached is passed over for
+//! the next; with none left the decode worker recomputes the prompt. A
+//! decode worker lost before its stream started is replaced (the next
+//! one pulls the K/V if it is still held, or recomputes); one lost after
+//! ends the stream with an error (its tokens cannot be taken back).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::engine::{
+    Engine, EngineError, EngineEvent, EngineLoad, EngineRequest, EngineStream, TokenOut,
+};
+use futures_util::StreamExt;
+use p06_server::input::InputProcessor;
+use p09_kv_manager::prefix_hash::{block_hashes, Xxh3BlockHasher};
+use tokio::sync::mpsc;
+
+use crate::registry::{Role, View};
+use crate::routing::{Basis, Board};
+use crate::wire::{
+    finish_from, DecodeOrder, LoadFailurePolicy, PrefillReply, TransferHandle, WireEvent,
+    WirePrepared,
+};
+
+/// Counters for `/metrics`.
+#[derive(Debug, Default)]
+pub struct ProxyStats {
+    pub requests: AtomicU64,
+    pub prefill_retries: AtomicU64,
+    pub decode_retries: AtomicU64,
+    /// Requests whose prompt the decode worker recomputed.
+    pub recomputed: AtomicU64,
+    /// Requests that went straight to a decode worker (no prefill worker).
+    pub no_prefill: AtomicU64,
+    pub kv_bytes: AtomicU64,
+    pub errors: AtomicU64,
+    pub by_prefix: AtomicU64,
+    pub by_report: AtomicU64,
+    pub by_inflight: AtomicU64,
+}
+
+#[derive(Debug)]
+pub struct Proxy {
+    name: String,
+    context: usize,
+    input: InputProcessor,
+    view: Arc<View>,
+    pub board: Arc<Board>,
+    http: reqwest::Client,
+    policy: LoadFailurePolicy,
+    pub stats: Arc<ProxyStats>,
+    closing: AtomicBool,
+    rt: tokio::runtime::Handle,
+}
+
+/// One request's journey (cloned into its task).
+struct Trip {
+    view: Arc<View>,
+    board: Arc<Board>,
+    http: reqwest::Client,
+    policy: LoadFailurePolicy,
+    stats: Arc<ProxyStats>,
+    events: mpsc::UnboundedSender<EngineEvent>,
+    id: String,
+}
+
+impl Proxy {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        name: String,
+        context: usize,
+        input: InputProcessor,
+        view: Arc<View>,
+        board: Arc<Board>,
+        policy: LoadFailurePolicy,
+        rt: tokio::runtime::Handle,
+    ) -> Proxy {
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(2))
+            .build()
+            .unwrap_or_default();
+        Proxy {
+            name,
+            context,
+            input,
+            view,
+            board,
+            http,
+            policy,
+            stats: Arc::default(),
+            closing: AtomicBool::new(false),
+            rt,
+        }
+    }
+}
+
+impl Engine for Proxy {
+    fn model_name(&self) -> &str {
+        &self.name
+    }
+
+    fn context_length(&self) -> Option<usize> {
+        Some(self.context)
+    }
+
+    fn load(&self) -> EngineLoad {
+        EngineLoad::default()
+    }
+
+    fn submit(&self, request: EngineRequest) -> Result<EngineStream, EngineError> {
+        if self.closing.load(Ordering::SeqCst) {
+            return Err(EngineError::Unavailable(
+                "the proxy is shutting down".into(),
+            ));
+        }
+        let salt = request.cache_salt.clone().unwrap_or_default().into_bytes();
+        let id = request.id.clone();
+        let prepared = self.input.prepare(request)?;
+        let prep = WirePrepared::new(prepared.prompt, &prepared.params, salt);
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.stats.requests.fetch_add(1, Ordering::SeqCst);
+        let trip = Trip {
+            view: self.view.clone(),
+            board: self.board.clone(),
+            http: self.http.clone(),
+            policy: self.policy,
+            stats: self.stats.clone(),
+            events: tx,
+            id,
+        };
+        self.rt.spawn(trip.run(prep));
+        Ok(rx)
+    }
+
+    fn abort_all(&self) {
+        self.closing.store(true, Ordering::SeqCst);
+    }
+
+    fn extra_metrics(&self, out: &mut String) {
+        let s = &self.stats;
+        let counters = [
+            ("p14_proxy_requests_total", &s.requests),
+            ("p14_proxy_prefill_retries_total", &s.prefill_retries),
+            ("p14_proxy_decode_retries_total", &s.decode_retries),
+            ("p14_proxy_recomputed_total", &s.recomputed),
+            ("p14_proxy_no_prefill_total", &s.no_prefill),
+            ("p14_proxy_kv_transfer_bytes_total", &s.kv_bytes),
+            ("p14_proxy_errors_total", &s.errors),
+            ("p14_proxy_routed_by_prefix_total", &s.by_prefix),
+            ("p14_proxy_routed_by_report_total", &s.by_report),
+            ("p14_proxy_routed_by_inflight_total", &s.by_inflight),
+        ];
+        for (name, c) in counters {
+            out.push_str(&format!(
+                "# TYPE {name} counter\n{name} {}\n",
+                c.load(Ordering::SeqCst)
+            ));
+        }
+        for role in [Role::Prefill, Role::Decode] {
+            out.push_str(&format!(
+                "p14_proxy_workers{{role=\"{}\"}} {}\n",
+                role.as_str(),
+                self.view.workers(role).len()
+            ));
+        }
+    }
+}
+
+/// Why a decode attempt ended without a result.
+enum Lost {
+    /// Before `admitted`: another worker may take the request.
+    BeforeStart(String),
+    /// After: the stream is cut.
+    Started(String),
+}
+
+impl Trip {
+    fn count(&self, basis: Basis) {
+        let c = match basis {
+            Basis::Prefix => &self.stats.by_prefix,
+            Basis::Reported => &self.stats.by_report,
+            Basis::InFlight => &self.stats.by_inflight,
+        };
+        c.fetch_add(1, Ordering::SeqCst);
+    }
+
+    fn error(&self, e: EngineError) {
+        self.stats.errors.fetch_add(1, Ordering::SeqCst);
+        let _ = self.events.send(EngineEvent::Error(e));
+    }
+
+    async fn run(self, prep: WirePrepared) {
+        match self.prefill(&prep).await {
+            Some(PrefillReply::Transfer {
+                prepared,
+                first,
+                handle,
+                ..
+            }) => {
+                self.decode(prepared, Some(handle), Some(first.into()))
+                    .await
+            }
+            Some(PrefillReply::Finished {
+                first,
+                finish,
+                prompt_tokens,
+                completion_tokens,
+            }) => {
+                if let Some(t) = first {
+                    let _ = self.events.send(EngineEvent::Token(t.into()));
+                }
+                let _ = self.events.send(EngineEvent::Done {
+                    finish: finish_from(&finish),
+                    prompt_tokens,
+                    completion_tokens,
+                });
+            }
+            Some(PrefillReply::Error(e)) => self.error(e.into()),
+            None => {
+                self.stats.no_prefill.fetch_add(1, Ordering::SeqCst);
+                self.decode(prep, None, None).await
+            }
+        }
+    }
+
+    /// The prefill's answer, or None when no prefill worker answered.
+    async fn prefill(&self, prep: &WirePrepared) -> Option<PrefillReply> {
+        let mut tried: Vec<String> = Vec::new();
+        loop {
+            let workers = self.view.workers(Role::Prefill);
+            let block_size = workers.first().map_or(16, |w| w.block_size);
+            let hashes = block_hashes(&Xxh3BlockHasher, &prep.prompt, block_size, &prep.salt);
+            let (w, basis) = self.board.pick_prefill(&workers, &hashes, &tried)?;
+            self.board.begin(&w.id);
+            let r = self
+                .http
+                .post(format!("{}/prefill", w.http))
+                .json(prep)
+                // A long prompt queued behind others can take a while; a
+                // dead worker fails at once (its socket closes).
+                .timeout(Duration::from_secs(300))
+                .send()
+                .await;
+            let reply = match r {
+                Ok(r) if r.status().is_success() => r.json::<PrefillReply>().await.ok(),
+                _ => None,
+            };
+            self.board.end(&w.id);
+            match reply {
+                Some(reply) => {
+                    self.count(basis);
+                    return Some(reply);
+                }
+                None => {
+                    eprintln!("proxy {}: prefill worker {} failed; next", self.id, w.id);
+                    self.stats.prefill_retries.fetch_add(1, Ordering::SeqCst);
+                    self.board.mark_suspect(&w.id);
+                    tried.push(w.id);
+                }
+            }
+        }
+    }
+
+    async fn decode(
+        &self,
+        prepared: WirePrepared,
+        handle: Option<TransferHandle>,
+        first: Option<TokenOut>,
+    ) {
+        let mut tried: Vec<String> = Vec::new();
+        let mut policy = self.policy;
+        loop {
+            let workers = self.view.workers(Role::Decode);
+            let Some((w, basis)) = self.board.pick_decode(&workers, &tried) else {
+                let why = match tried.is_empty() {
+                    true => "no decode worker is registered".to_string(),
+                    false => format!("every decode worker failed ({})", tried.join(", ")),
+                };
+                return self.error(EngineError::Unavailable(why));
+            };
+            self.count(basis);
+            let order = DecodeOrder {
+                request_id: self.id.clone(),
+                prepared: prepared.clone(),
+                handle: handle.clone(),
+                already_sent: first.is_some() as usize,
+                policy,
+            };
+            self.board.begin(&w.id);
+            let r = self.stream_from(&w.http, &order, first.clone()).await;
+            self.board.end(&w.id);
+            match r {
+                Ok(()) => return,
+                Err(Lost::Started(why)) => {
+                    return self.error(EngineError::Internal(format!(
+                        "decode worker {} was lost mid-stream: {why}",
+                        w.id
+                    )))
+                }
+                Err(Lost::BeforeStart(why)) => {
+                    eprintln!(
+                        "proxy {}: decode worker {} failed before its stream ({why}); next",
+                        self.id, w.id
+                    );
+                    self.stats.decode_retries.fetch_add(1, Ordering::SeqCst);
+                    self.board.mark_suspect(&w.id);
+                    tried.push(w.id);
+                    // The K/V may be gone with the pull; the next worker
+                    // recomputes if the prefill's copy is.
+                    policy = LoadFailurePolicy::Recompute;
+                }
+            }
+        }
+    }
+
+    /// Relay one decode worker's stream to the client.
+    async fn stream_from(
+        &self,
+        base: &str,
+        order: &DecodeOrder,
+        mut first: Option<TokenOut>,
+    ) -> Result<(), Lost> {
+        let r = self
+            .http
+            .post(format!("{base}/decode"))
+            .json(order)
+            .send()
+            .await
+            .map_err(|e| Lost::BeforeStart(e.to_string()))?;
+        if !r.status().is_success() {
+            return Err(Lost::BeforeStart(format!("status {}", r.status())));
+        }
+        let mut body = r.bytes_stream();
+        let mut buf: Vec<u8> = Vec::new();
+        let mut started = false;
+        let lost = |started: bool, why: String| match started {
+            true => Lost::Started(why),
+            false => Lost::BeforeStart(why),
+        };
+        loop {
+            // A decode worker that goes silent this long is taken as lost.
+            let chunk = match tokio::time::timeout(Duration::from_secs(120), body.next()).await {
+                Ok(Some(Ok(c))) => c,
+                Ok(Some(Err(e))) => return Err(lost(started, e.to_string())),
+                Ok(None) => return Err(lost(started, "its stream ended early".into())),
+                Err(_) => return Err(lost(started, "no event for 120 s".into())),
+            };
+            buf.extend_from_slice(&chunk);
+            while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = buf.drain(..=nl).collect();
+                let ev: WireEvent = serde_json::from_slice(&line)
+                    .map_err(|e| lost(started, format!("an unreadable event ({e})")))?;
+                if self.events.is_closed() {
+                    return Ok(()); // the client left; dropping the body cancels
+                }
+                match ev {
+                    WireEvent::Admitted {
+                        recomputed,
+                        kv_bytes,
+                    } => {
+                        started = true;
+                        if recomputed {
+                            self.stats.recomputed.fetch_add(1, Ordering::SeqCst);
+                        }
+                        self.stats
+                            .kv_bytes
+                            .fetch_add(kv_bytes as u64, Ordering::SeqCst);
+                        if let Some(t) = first.take() {
+                            let _ = self.events.send(EngineEvent::Token(t));
+                        }
+                    }
+                    WireEvent::Token(t) => {
+                        let _ = self.events.send(EngineEvent::Token(t.into()));
+                    }
+                    WireEvent::Done {
+                        finish,
+                        prompt_tokens,
+                        completion_tokens,
+                    } => {
+                        let _ = self.events.send(EngineEvent::Done {
+                            finish: finish_from(&finish),
+                            prompt_tokens,
+                            completion_tokens,
+                        });
+                        return Ok(());
+                    }
+                    WireEvent::Error(e) => {
+                        self.error(e.into());
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,216 @@
+//! The proxy as a process, and `up`: a whole local cluster in one
+//! command (etcd and NATS as children unless endpoints are given, the
+//! prefill and decode workers as children, the proxy in this process).
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Args;
+use p04_transformer::model_file::GgufFile;
+use p04_transformer::Tokenizer;
+use p06_server::input::InputProcessor;
+use p06_server::routes::AppState;
+use p06_server::server::{self, ListenArgs};
+
+use crate::cluster::{self, EtcdCluster, Nats, Proc};
+use crate::etcd::Etcd;
+use crate::proxy::Proxy;
+use crate::registry::{self, Role, View};
+use crate::routing::Board;
+use crate::wire::LoadFailurePolicy;
+
+#[derive(Clone, Debug, Args)]
+pub struct ProxyArgs {
+    #[command(flatten)]
+    pub listen: ListenArgs,
+    /// etcd client URLs, comma separated.
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub etcd: Vec<String>,
+    /// NATS URL; none: route by the proxy's own in-flight counts.
+    #[arg(long)]
+    pub nats: Option<String>,
+    /// When a decode worker cannot load a prompt's K/V.
+    #[arg(long, value_enum, default_value = "recompute")]
+    pub kv_load_failure_policy: LoadFailurePolicy,
+}
+
+/// The model's name, context and tokenizer from a GGUF file's header
+/// (no weights are read).
+pub fn front_of(path: &Path, served: &str) -> anyhow::Result<(common::ModelInfo, Tokenizer)> {
+    if path.is_dir() {
+        let loaded = p06_server::load::load_f32(path)?;
+        let (engine, tok) = p06_server::load::with_tokenizer(path, loaded)?;
+        return Ok((common::Model::info(&engine).clone(), tok));
+    }
+    let f = GgufFile::open(path).with_context(|| format!("reading {}", path.display()))?;
+    let h = &f.header;
+    let tok = Tokenizer::from_gguf(h)?;
+    let vocab = match h.get_u64("llama.vocab_size") {
+        Ok(v) => v as usize,
+        Err(_) => h.tensor("token_embd.weight")?.shape()[0],
+    };
+    let context = h.get_u64("llama.context_length")? as usize;
+    let info = p05_kv_cache::load::model_info(served.to_string(), vocab, context, Some(&tok));
+    Ok((info, tok))
+}
+
+/// Serve the proxy until SIGINT/SIGTERM.
+pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
+    let path = p06_server::load::resolve_model(&a.listen.model)?;
+    let name = a.listen.name();
+    let (info, tok) = front_of(&path, &name)?;
+    let input = InputProcessor::new(Arc::new(tok), &info)?;
+    let etcd = Etcd::new(a.etcd.clone(), Duration::from_secs(2));
+    let view = Arc::new(View::default());
+    tokio::spawn(registry::follow(etcd, view.clone()));
+    let board = Arc::new(Board::default());
+    if let Some(url) = a.nats.clone() {
+        tokio::spawn(crate::events::subscribe(url, board.clone()));
+    }
+    let proxy = Proxy::new(
+        name,
+        info.context_length,
+        input,
+        view,
+        board,
+        a.kv_load_failure_policy,
+        tokio::runtime::Handle::current(),
+    );
+    let listener = a.listen.bind().await?;
+    let state = AppState::new(Arc::new(proxy), a.listen.max_body_bytes);
+    Ok(server::run_until_signal(listener, state, a.listen.grace()).await?)
+}
+
+#[derive(Clone, Debug, Args)]
+pub struct UpArgs {
+    #[arg(long, default_value_t = 1)]
+    pub prefill: usize,
+    #[arg(long, default_value_t = 1)]
+    pub decode: usize,
+    #[command(flatten)]
+    pub listen: ListenArgs,
+    #[arg(long, value_enum, default_value = "native")]
+    pub weights: crate::worker_serve::Weights,
+    /// etcd client URLs; none: start one etcd member here.
+    #[arg(long, value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// NATS URL; none: start a NATS server here.
+    #[arg(long)]
+    pub nats: Option<String>,
+    #[arg(long, value_enum, default_value = "recompute")]
+    pub kv_load_failure_policy: LoadFailurePolicy,
+    /// K/V cache per worker, MiB.
+    #[arg(long, default_value_t = 256)]
+    pub kv_cache_mib: usize,
+    /// Extra arguments for every worker (e.g. "--block-size 32").
+    #[arg(long, allow_hyphen_values = true, default_value = "")]
+    pub worker_args: String,
+}
+
+/// What `up` started (kept alive while it serves).
+#[derive(Debug)]
+pub struct Cluster {
+    pub etcd: Option<EtcdCluster>,
+    pub nats: Option<Nats>,
+    pub workers: Vec<Proc>,
+    pub etcd_urls: Vec<String>,
+    pub nats_url: String,
+}
+
+/// Start etcd and NATS (unless given) and the workers; wait until every
+/// worker is registered in etcd.
+pub fn start_cluster(a: &UpArgs) -> anyhow::Result<Cluster> {
+    let host = "127.0.0.1";
+    let (etcd, etcd_urls) = match a.etcd.is_empty() {
+        true => {
+            let c = EtcdCluster::start(1, host)?;
+            let urls = c.urls.clone();
+            (Some(c), urls)
+        }
+        false => (None, a.etcd.clone()),
+    };
+    let (nats, nats_url) = match &a.nats {
+        None => {
+            let n = Nats::start(host)?;
+            let url = n.url.clone();
+            (Some(n), url)
+        }
+        Some(u) => (None, u.clone()),
+    };
+    let exe = std::env::current_exe()?;
+    let mut workers = Vec::new();
+    for (role, n) in [(Role::Prefill, a.prefill), (Role::Decode, a.decode)] {
+        for i in 0..n {
+            let mut args: Vec<String> = vec![
+                "--model".into(),
+                a.listen.model.clone(),
+                "--weights".into(),
+                format!("{:?}", a.weights).to_lowercase(),
+                "--etcd".into(),
+                etcd_urls.join(","),
+                "--nats".into(),
+                nats_url.clone(),
+                "--id".into(),
+                format!("{}-{i}", role.as_str()),
+                "--kv-cache-mib".into(),
+                a.kv_cache_mib.to_string(),
+            ];
+            args.extend(a.worker_args.split_whitespace().map(String::from));
+            let (p, url) = cluster::start_worker(&exe, role.as_str(), &args)?;
+            eprintln!("up: {} worker {i} at {url}", role.as_str());
+            workers.push(p);
+        }
+    }
+    let c = Cluster {
+        etcd,
+        nats,
+        workers,
+        etcd_urls,
+        nats_url,
+    };
+    wait_registered(&c.etcd_urls, a.prefill + a.decode, Duration::from_secs(60))?;
+    Ok(c)
+}
+
+/// Until `n` workers are registered.
+pub fn wait_registered(urls: &[String], n: usize, timeout: Duration) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let etcd = Etcd::new(urls.to_vec(), Duration::from_secs(2));
+    let t0 = Instant::now();
+    loop {
+        let got = rt
+            .block_on(etcd.get_prefix(registry::PREFIX))
+            .map_or(0, |(kvs, _)| kvs.len());
+        if got >= n {
+            return Ok(());
+        }
+        if t0.elapsed() > timeout {
+            bail!("{got} of {n} workers registered in etcd within {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+pub fn up(a: UpArgs) -> anyhow::Result<()> {
+    let cluster = start_cluster(&a)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let proxy = ProxyArgs {
+        listen: a.listen.clone(),
+        etcd: cluster.etcd_urls.clone(),
+        nats: Some(cluster.nats_url.clone()),
+        kv_load_failure_policy: a.kv_load_failure_policy,
+    };
+    eprintln!(
+        "up: {} prefill, {} decode; etcd {:?}, NATS {}; proxy on {}:{}",
+        a.prefill, a.decode, cluster.etcd_urls, cluster.nats_url, a.listen.host, a.listen.port
+    );
+    let r = rt.block_on(run(proxy));
+    drop(cluster);
+    r
+}

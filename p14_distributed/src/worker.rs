@@ -1,0 +1,515 @@
+//! A worker's model thread: Project 08's engine core on Project 09's paged
+//! K/V, with the two jobs disaggregation adds.
+//!
+//! - **Prefill**: run a prompt, sample its first token, export the
+//!   sequence (its K/V and sampler state, [`EngineCore::export`]), drop it
+//!   from the core (its blocks free at once) and hold the export on the
+//!   K/V server under a lease for a decode worker to pull.
+//! - **Import**: admit a pulled sequence as running with its prompt
+//!   computed ([`EngineCore::import`]) and stream the rest of its tokens.
+//! - **Recompute**: the load failed (the policy says recompute): run the
+//!   request from its prompt here, not streaming again the tokens the
+//!   client already has.
+//!
+//! The thread never reads a socket: pulls happen on their own threads and
+//! arrive here as finished buffers.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc as std_mpsc;
+use std::sync::Arc;
+use std::time::Instant;
+
+use common::batch::BatchModel;
+use common::engine::{EngineError, EngineEvent};
+use p04_transformer::Tokenizer;
+use p05_kv_cache::sampling::SamplerState;
+use p06_server::serial::{engine_error, token_out};
+use p08_continuous::core::AddError;
+use p08_continuous::handoff::{HandoffError, SeqExport};
+use p08_continuous::kv_backend::KvBackend;
+use p08_continuous::kv_transfer::KvBuffer;
+use p08_continuous::output::StepOutput;
+use p08_continuous::scheduler::SeqId;
+use p08_continuous::{ContinuousConfig, EngineCore, LocalRunner, NewRequest};
+use p09_kv_manager::prefix_hash::{block_hashes, Xxh3BlockHasher};
+use p09_kv_manager::PagedKv;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::kv_server::KvServer;
+use crate::protocol::prompt_hash;
+use crate::wire::{PrefillReply, SeqMeta, TransferHandle, WireError, WireEvent, WirePrepared};
+
+/// Work for the model thread.
+#[derive(Debug)]
+pub enum Job {
+    Prefill {
+        prep: WirePrepared,
+        arrival: Instant,
+        reply: oneshot::Sender<PrefillReply>,
+    },
+    Import {
+        prep: WirePrepared,
+        kv: KvBuffer,
+        meta: SeqMeta,
+        /// Payload bytes the pull read.
+        bytes: usize,
+        events: mpsc::UnboundedSender<WireEvent>,
+    },
+    Recompute {
+        prep: WirePrepared,
+        skip: usize,
+        events: mpsc::UnboundedSender<WireEvent>,
+    },
+}
+
+/// What the thread holds per sequence.
+#[derive(Debug)]
+enum Client {
+    Prefill {
+        reply: Option<oneshot::Sender<PrefillReply>>,
+        prep: WirePrepared,
+        arrival: Instant,
+        started: Option<Instant>,
+    },
+    Stream {
+        events: mpsc::UnboundedSender<WireEvent>,
+        /// Sampled tokens not to stream (the client has them).
+        skip: usize,
+    },
+}
+
+impl Client {
+    fn is_gone(&self) -> bool {
+        match self {
+            Client::Prefill { reply, .. } => reply.as_ref().is_none_or(|r| r.is_closed()),
+            Client::Stream { events, .. } => events.is_closed(),
+        }
+    }
+}
+
+/// Load the proxy routes by (published to NATS, served on `/load`).
+#[derive(Debug, Default)]
+pub struct WorkerLoad {
+    pub running: AtomicUsize,
+    pub waiting: AtomicUsize,
+    pub kv_used_blocks: AtomicUsize,
+    pub kv_total_blocks: AtomicUsize,
+    pub imported: AtomicU64,
+    pub recomputed: AtomicU64,
+    pub prefilled: AtomicU64,
+    /// Block hashes cached by prefills since the last K/V event.
+    pub stored: std::sync::Mutex<Vec<u64>>,
+}
+
+/// The handle the HTTP side holds.
+#[derive(Clone, Debug)]
+pub struct WorkerHandle {
+    pub jobs: std_mpsc::Sender<Job>,
+    pub load: Arc<WorkerLoad>,
+}
+
+/// Start the model thread on `model` with paged K/V `kv`; prefill workers
+/// pass the K/V server their exports go to.
+pub fn start<M: BatchModel + Send + Sync + 'static>(
+    model: Arc<M>,
+    tok: Arc<Tokenizer>,
+    config: ContinuousConfig,
+    kv: PagedKv,
+    server: Option<Arc<KvServer>>,
+) -> std::io::Result<WorkerHandle> {
+    let (tx, rx) = std_mpsc::channel();
+    let load = Arc::new(WorkerLoad::default());
+    load.kv_total_blocks
+        .store(kv.manager().pool().num_blocks(), Ordering::SeqCst);
+    let l = load.clone();
+    std::thread::Builder::new()
+        .name("model".into())
+        .spawn(move || {
+            let info = model.info().clone();
+            let runner = LocalRunner::new(model, kv.new_storage());
+            let core = match EngineCore::with_runner(&info, &tok, &config, kv, runner) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("worker: {e}");
+                    return;
+                }
+            };
+            Thread {
+                core,
+                tok: &tok,
+                server,
+                load: l,
+                next_id: 0,
+                pending: VecDeque::new(),
+            }
+            .run(&rx)
+        })?;
+    Ok(WorkerHandle { jobs: tx, load })
+}
+
+type Core<'a, M> =
+    EngineCore<'a, PagedKv, LocalRunner<Arc<M>, p09_kv_manager::BlockStorage>, Client>;
+
+struct Thread<'a, M: BatchModel> {
+    core: Core<'a, M>,
+    tok: &'a Tokenizer,
+    server: Option<Arc<KvServer>>,
+    load: Arc<WorkerLoad>,
+    next_id: SeqId,
+    /// Imports that found no room yet (retried after every step).
+    pending: VecDeque<(
+        WirePrepared,
+        SeqExport,
+        usize,
+        mpsc::UnboundedSender<WireEvent>,
+    )>,
+}
+
+impl<M: BatchModel> Thread<'_, M> {
+    fn run(mut self, rx: &std_mpsc::Receiver<Job>) {
+        loop {
+            let first = if self.core.has_work() || !self.pending.is_empty() {
+                None
+            } else {
+                match rx.recv() {
+                    Ok(j) => Some(j),
+                    Err(_) => return,
+                }
+            };
+            for job in first
+                .into_iter()
+                .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+            {
+                self.intake(job);
+            }
+            self.retry_pending();
+            let gone: Vec<SeqId> = self
+                .core
+                .clients()
+                .filter(|(_, c)| c.is_gone())
+                .map(|(id, _)| id)
+                .collect();
+            for id in gone {
+                self.core.abort(id);
+            }
+            let t0 = Instant::now();
+            let out = self.core.step();
+            self.post(out, t0);
+            self.publish_load();
+            if !self.core.has_work() && !self.pending.is_empty() {
+                // Nothing runs and the imports still find no room: the pool
+                // is held by something else; do not spin.
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        }
+    }
+
+    fn publish_load(&self) {
+        let s = self.core.scheduler();
+        self.load.running.store(s.num_running(), Ordering::SeqCst);
+        self.load
+            .waiting
+            .store(s.num_waiting() + self.pending.len(), Ordering::SeqCst);
+        self.load
+            .kv_used_blocks
+            .store(self.core.kv().manager().used_blocks(), Ordering::SeqCst);
+    }
+
+    fn id(&mut self) -> SeqId {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    fn intake(&mut self, job: Job) {
+        match job {
+            Job::Prefill {
+                prep,
+                arrival,
+                reply,
+            } => {
+                let client = Client::Prefill {
+                    reply: Some(reply),
+                    prep: prep.clone(),
+                    arrival,
+                    started: None,
+                };
+                if let Err((e, c)) = self.submit(&prep, client) {
+                    if let Client::Prefill { reply: Some(r), .. } = c {
+                        let _ = r.send(PrefillReply::Error((&e).into()));
+                    }
+                }
+            }
+            Job::Recompute { prep, skip, events } => {
+                self.load.recomputed.fetch_add(1, Ordering::SeqCst);
+                let _ = events.send(WireEvent::Admitted {
+                    recomputed: true,
+                    kv_bytes: 0,
+                });
+                let client = Client::Stream {
+                    events: events.clone(),
+                    skip,
+                };
+                if let Err((e, _)) = self.submit(&prep, client) {
+                    let _ = events.send(WireEvent::Error((&e).into()));
+                }
+            }
+            Job::Import {
+                prep,
+                kv,
+                meta,
+                bytes,
+                events,
+            } => {
+                let state = SeqExport {
+                    prompt: prep.prompt.clone(),
+                    output: meta.output,
+                    params: prep.params(),
+                    sampler: SamplerState {
+                        seed: meta.sampler_seed,
+                        draws: meta.sampler_draws,
+                    },
+                    salt: prep.salt.clone(),
+                    kv,
+                };
+                self.pending.push_back((prep, state, bytes, events));
+            }
+        }
+    }
+
+    /// Queue a request from its prompt; an error comes back with the client.
+    fn submit(&mut self, prep: &WirePrepared, client: Client) -> Result<(), (EngineError, Client)> {
+        let id = self.id();
+        let params = prep.params();
+        let req = NewRequest {
+            prompt: &prep.prompt,
+            params: &params,
+            salt: &prep.salt,
+            choices: vec![(id, client)],
+        };
+        match self.core.submit(req) {
+            Ok(None) => Ok(()),
+            Ok(Some(mut c)) => {
+                // Finished before it started (max_tokens 0).
+                let (_, client) = c.pop().expect("one choice");
+                finish_unstarted(client, prep.prompt.len());
+                Ok(())
+            }
+            Err((e, mut c)) => {
+                let (_, client) = c.pop().expect("one choice");
+                let err = match e {
+                    AddError::Request(e) => engine_error(e),
+                    e => EngineError::InvalidRequest {
+                        message: e.to_string(),
+                        param: Some("max_tokens".into()),
+                    },
+                };
+                Err((err, client))
+            }
+        }
+    }
+
+    fn retry_pending(&mut self) {
+        for _ in 0..self.pending.len() {
+            let Some((prep, state, bytes, events)) = self.pending.pop_front() else {
+                break;
+            };
+            if events.is_closed() {
+                continue;
+            }
+            let id = self.id();
+            let client = Client::Stream {
+                events: events.clone(),
+                skip: 0,
+            };
+            match self.core.import(id, &state, client) {
+                Ok(()) => {
+                    self.load.imported.fetch_add(1, Ordering::SeqCst);
+                    let _ = events.send(WireEvent::Admitted {
+                        recomputed: false,
+                        kv_bytes: bytes,
+                    });
+                }
+                Err((HandoffError::Busy(_), _)) => {
+                    self.pending.push_back((prep, state, bytes, events))
+                }
+                Err((e, _)) => {
+                    // The buffer passed the handshake, so this is a bug or
+                    // a sequence that cannot continue here: recompute it.
+                    eprintln!("worker: import refused ({e}); recomputing");
+                    self.intake(Job::Recompute {
+                        prep,
+                        skip: state.output.len(),
+                        events,
+                    });
+                }
+            }
+        }
+    }
+
+    fn post(&mut self, out: StepOutput<Client>, step_start: Instant) {
+        for id in &out.schedule.admitted {
+            if let Some(Client::Prefill { started, .. }) = self.core.client_mut(*id) {
+                started.get_or_insert(step_start);
+            }
+        }
+        let mut retired: std::collections::HashMap<SeqId, Client> =
+            out.retired.into_iter().collect();
+        for (id, e) in out.failed {
+            if let Some(c) = retired.remove(&id) {
+                fail(c, EngineError::Internal(e.to_string()));
+            }
+        }
+        for o in out.outputs {
+            let token = o.is_token.then(|| token_out(self.tok, &o.step));
+            if let Some(c) = retired.remove(&o.id) {
+                // Finished this step.
+                let finish = o.step.finish.map_or("abort", |f| f.as_str());
+                match c {
+                    Client::Prefill { reply: Some(r), .. } => {
+                        let _ = r.send(PrefillReply::Finished {
+                            first: token.as_ref().map(Into::into),
+                            finish: finish.into(),
+                            prompt_tokens: o.prompt_tokens,
+                            completion_tokens: o.completion_tokens,
+                        });
+                    }
+                    Client::Prefill { reply: None, .. } => {}
+                    Client::Stream { events, skip } => {
+                        if let Some(t) = &token {
+                            if skip == 0 {
+                                let _ = events
+                                    .send(WireEvent::from_engine(&EngineEvent::Token(t.clone())));
+                            }
+                        }
+                        let _ = events.send(WireEvent::Done {
+                            finish: finish.into(),
+                            prompt_tokens: o.prompt_tokens,
+                            completion_tokens: o.completion_tokens,
+                        });
+                    }
+                }
+                continue;
+            }
+            let Some(c) = self.core.client_mut(o.id) else {
+                continue;
+            };
+            match c {
+                Client::Stream { events, skip } => {
+                    if let Some(t) = token {
+                        if *skip > 0 {
+                            *skip -= 1;
+                        } else {
+                            let _ = events.send(WireEvent::Token((&t).into()));
+                        }
+                    }
+                }
+                Client::Prefill { .. } => self.hand_off(o.id, token),
+            }
+        }
+        for (_, c) in retired {
+            fail(
+                c,
+                EngineError::Internal("the sequence ended without output".into()),
+            );
+        }
+    }
+
+    /// A prefill's first token is out: export, drop, hold, answer.
+    fn hand_off(&mut self, id: SeqId, first: Option<common::engine::TokenOut>) {
+        let exported = self.core.export(id);
+        let Some((_, _, client)) = self.core.abort(id) else {
+            return;
+        };
+        let Client::Prefill {
+            reply: Some(reply),
+            prep,
+            arrival,
+            started,
+        } = client
+        else {
+            return;
+        };
+        let (Some(server), Ok(state)) = (&self.server, exported) else {
+            let _ = reply.send(PrefillReply::Error(WireError {
+                kind: "internal".into(),
+                message: "this worker cannot hold K/V for a transfer".into(),
+                param: None,
+                retry_after_s: None,
+            }));
+            return;
+        };
+        self.load.prefilled.fetch_add(1, Ordering::SeqCst);
+        let meta = SeqMeta {
+            output: state.output.clone(),
+            sampler_seed: state.sampler.seed,
+            sampler_draws: state.sampler.draws,
+        };
+        let block_size = self.core.kv().manager().block_size();
+        let hashes = block_hashes(&Xxh3BlockHasher, &state.prompt, block_size, &state.salt);
+        self.load
+            .stored
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(hashes);
+        let hash = prompt_hash(&state.prompt);
+        let tokens = state.kv.tokens;
+        let meta = serde_json::to_vec(&meta).unwrap_or_default();
+        let transfer_id = server.hold(state.kv, hash, meta);
+        let now = Instant::now();
+        let started = started.unwrap_or(arrival);
+        let _ = reply.send(PrefillReply::Transfer {
+            prepared: prep,
+            first: first.as_ref().map_or(
+                crate::wire::WireToken {
+                    text: String::new(),
+                    logprob: None,
+                    top_logprobs: vec![],
+                },
+                Into::into,
+            ),
+            handle: TransferHandle {
+                kv_addr: server.addr.clone(),
+                transfer_id,
+                prompt_hash: hash,
+                tokens,
+                lease_ms: server.lease.as_millis() as u64,
+            },
+            queue_s: (started - arrival).as_secs_f64(),
+            prefill_s: (now - started).as_secs_f64(),
+        });
+    }
+}
+
+fn finish_unstarted(c: Client, prompt_tokens: usize) {
+    match c {
+        Client::Prefill { reply: Some(r), .. } => {
+            let _ = r.send(PrefillReply::Finished {
+                first: None,
+                finish: "length".into(),
+                prompt_tokens,
+                completion_tokens: 0,
+            });
+        }
+        Client::Prefill { reply: None, .. } => {}
+        Client::Stream { events, .. } => {
+            let _ = events.send(WireEvent::Done {
+                finish: "length".into(),
+                prompt_tokens,
+                completion_tokens: 0,
+            });
+        }
+    }
+}
+
+fn fail(c: Client, e: EngineError) {
+    match c {
+        Client::Prefill { reply: Some(r), .. } => {
+            let _ = r.send(PrefillReply::Error((&e).into()));
+        }
+        Client::Prefill { reply: None, .. } => {}
+        Client::Stream { events, .. } => {
+            let _ = events.send(WireEvent::Error((&e).into()));
+        }
+    }
+}

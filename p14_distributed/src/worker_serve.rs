@@ -1,0 +1,387 @@
+//! A prefill or decode worker as a process: load the model, start the
+//! model thread (and, for prefill, the K/V server), register in etcd,
+//! publish load to NATS, and answer the proxy on a small HTTP control
+//! API:
+//!
+//! ```text
+//! POST /prefill   WirePrepared  → PrefillReply (JSON)
+//! POST /decode    DecodeOrder   → WireEvent per line (NDJSON), first Admitted
+//! GET  /stats     counters (JSON): K/V held, sent, acknowledged, expired,
+//!                 imports, recomputes, blocks in use
+//! GET  /health    200 once the model is loaded
+//! ```
+
+use std::net::TcpListener as StdListener;
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use axum::body::Body;
+use axum::extract::State;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use clap::Args;
+use common::batch::BatchModel;
+use futures_util::StreamExt;
+use p08_continuous::cli::SchedArgs;
+use p08_continuous::kv_transfer::KvLayout;
+use p09_kv_manager::PagedKv;
+use serde_json::json;
+use tokio::sync::{mpsc, oneshot};
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::etcd::Etcd;
+use crate::kv_client;
+use crate::kv_server::{Faults, KvServer};
+use crate::registry::{self, Role, WorkerRecord};
+use crate::wire::{DecodeOrder, LoadFailurePolicy, PrefillReply, SeqMeta, WireEvent, WirePrepared};
+use crate::worker::{self, Job, WorkerHandle};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Weights {
+    F32,
+    Native,
+}
+
+#[derive(Clone, Debug, Args)]
+pub struct WorkerArgs {
+    /// `smollm2` (fetched on first run) or a .gguf file.
+    #[arg(long, default_value = "smollm2")]
+    pub model: String,
+    #[arg(long, value_enum, default_value = "native")]
+    pub weights: Weights,
+    /// etcd client URLs, comma separated.
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub etcd: Vec<String>,
+    /// NATS URL (`nats://host:port`); none: no load reports.
+    #[arg(long)]
+    pub nats: Option<String>,
+    /// Address to listen on and to advertise.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Control port (0: any free port).
+    #[arg(long, default_value_t = 0)]
+    pub port: u16,
+    /// K/V server port, prefill workers (0: any free port).
+    #[arg(long, default_value_t = 0)]
+    pub kv_port: u16,
+    /// Registered id (default: role-host-port).
+    #[arg(long)]
+    pub id: Option<String>,
+    /// Seconds of the etcd lease a worker's record lives under.
+    #[arg(long, default_value_t = 3)]
+    pub lease_ttl_s: i64,
+    /// Milliseconds a prefill worker holds a prompt's K/V for its decode
+    /// worker before freeing it unacknowledged.
+    #[arg(long, default_value_t = 10_000)]
+    pub transfer_lease_ms: u64,
+    /// Positions per K/V block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Decode workers: seconds a pull may go without progress.
+    #[arg(long, default_value_t = 10)]
+    pub pull_timeout_s: u64,
+    #[command(flatten)]
+    pub sched: SchedArgs,
+    /// Fault tests: flip a bit in this layer's frame (prefill workers).
+    #[arg(long, hide = true)]
+    pub fault_corrupt_layer: Option<usize>,
+    /// Fault tests: exit after sending this many layers (prefill workers).
+    #[arg(long, hide = true)]
+    pub fault_die_after_layers: Option<usize>,
+}
+
+/// Identity of a model file and weight format: its size and an XXH3 of
+/// its bytes, with the format.
+pub fn model_id(path: &Path, weights: Weights) -> anyhow::Result<u64> {
+    let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    // SAFETY: the model file is read-only for the life of the map; a file
+    // changed under a running server is outside what this serves.
+    let map =
+        unsafe { memmap2::Mmap::map(&f) }.with_context(|| format!("mapping {}", path.display()))?;
+    let tag: &[u8] = match weights {
+        Weights::F32 => b"f32",
+        Weights::Native => b"native",
+    };
+    Ok(xxh3_64(&map) ^ xxh3_64(tag).rotate_left(1) ^ map.len() as u64)
+}
+
+pub fn layout_hash(l: &KvLayout) -> u64 {
+    let s = format!(
+        "{}/{}/{}/{}/{}/{:?}",
+        l.n_layer, l.n_kv_head, l.head_start, l.head_dim, l.block_size, l.dtype
+    );
+    xxh3_64(s.as_bytes())
+}
+
+#[derive(Clone)]
+struct Ctx {
+    handle: WorkerHandle,
+    server: Option<Arc<KvServer>>,
+    layout: KvLayout,
+    model_id: u64,
+    capacity: usize,
+    pull_timeout: Duration,
+}
+
+fn load(path: &Path, weights: Weights) -> anyhow::Result<p05_kv_cache::load::LoadedEngine> {
+    Ok(match weights {
+        Weights::Native => {
+            p10_quant::loader::load_native(path, p10_quant::NativeWeights::detect())?
+        }
+        Weights::F32 => p10_quant::loader::load(path, false)?,
+    })
+}
+
+/// Run a worker of `role` until the process is killed.
+pub fn run(role: Role, a: WorkerArgs) -> anyhow::Result<()> {
+    let path = p06_server::load::resolve_model(&a.model)?;
+    let t0 = Instant::now();
+    let loaded = load(&path, a.weights)?;
+    let (engine, tok) = p06_server::load::with_tokenizer(&path, loaded)?;
+    let model_id = model_id(&path, a.weights)?;
+    let config = a.sched.config();
+    let kv = PagedKv::new(engine.kv_shape(), a.block_size, config.kv_cache_bytes, true)?;
+    let layout = kv.manager().layout();
+    let blocks = kv.manager().pool().num_blocks();
+    let capacity = blocks * a.block_size;
+    let context = common::Model::info(&engine).context_length;
+    let served = p06_server::load::served_name(&a.model);
+    let control = StdListener::bind((a.host.as_str(), a.port))
+        .with_context(|| format!("binding {}:{}", a.host, a.port))?;
+    let port = control.local_addr()?.port();
+    let id =
+        a.id.clone()
+            .unwrap_or_else(|| format!("{}-{}-{port}", role.as_str(), a.host));
+    let server = match role {
+        Role::Prefill => {
+            let l = StdListener::bind((a.host.as_str(), a.kv_port))
+                .with_context(|| format!("binding {}:{}", a.host, a.kv_port))?;
+            let advertise = format!("{}:{}", a.host, l.local_addr()?.port());
+            let faults = Faults {
+                corrupt_layer: a.fault_corrupt_layer,
+                die_after_layers: a.fault_die_after_layers,
+            };
+            let lease = Duration::from_millis(a.transfer_lease_ms);
+            Some(KvServer::start(
+                l, advertise, model_id, layout, lease, faults,
+            ))
+        }
+        Role::Decode => None,
+    };
+    let handle = worker::start(Arc::new(engine), Arc::new(tok), config, kv, server.clone())?;
+    let record = WorkerRecord {
+        id: id.clone(),
+        role,
+        model: served,
+        model_id,
+        http: format!("http://{}:{port}", a.host),
+        kv_addr: server.as_ref().map(|s| s.addr.clone()),
+        layout_hash: layout_hash(&layout),
+        block_size: a.block_size,
+        kv_blocks: blocks,
+        context_length: context,
+        pid: std::process::id(),
+    };
+    eprintln!(
+        "{} worker {id}: loaded in {:.1} s; control {}, K/V {:?}",
+        role.as_str(),
+        t0.elapsed().as_secs_f64(),
+        record.http,
+        record.kv_addr
+    );
+    let ctx = Ctx {
+        handle: handle.clone(),
+        server,
+        layout,
+        model_id,
+        capacity,
+        pull_timeout: Duration::from_secs(a.pull_timeout_s),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let etcd = Etcd::new(a.etcd.clone(), Duration::from_secs(2));
+        tokio::spawn(registry::keep_registered(etcd, record, a.lease_ttl_s));
+        if let Some(url) = a.nats.clone() {
+            tokio::spawn(crate::events::publish(url, id.clone(), handle.load.clone()));
+        }
+        control.set_nonblocking(true)?;
+        let listener = tokio::net::TcpListener::from_std(control)?;
+        let app = Router::new()
+            .route("/prefill", post(prefill))
+            .route("/decode", post(decode))
+            .route("/stats", get(stats))
+            .route("/health", get(|| async { "ok" }))
+            .with_state(ctx);
+        println!("ready {port}");
+        let _ = std::io::Write::flush(&mut std::io::stdout());
+        axum::serve(listener, app).await?;
+        anyhow::Ok(())
+    })
+}
+
+async fn prefill(State(ctx): State<Ctx>, Json(prep): Json<WirePrepared>) -> Json<PrefillReply> {
+    let (tx, rx) = oneshot::channel();
+    let job = Job::Prefill {
+        prep,
+        arrival: Instant::now(),
+        reply: tx,
+    };
+    if ctx.handle.jobs.send(job).is_err() {
+        return Json(PrefillReply::Error(crate::wire::WireError {
+            kind: "unavailable".into(),
+            message: "the model thread has stopped".into(),
+            param: None,
+            retry_after_s: None,
+        }));
+    }
+    // Dropping this future (the proxy left) closes `rx`: the model thread
+    // then drops the prefill.
+    Json(rx.await.unwrap_or_else(|_| {
+        PrefillReply::Error(crate::wire::WireError {
+            kind: "internal".into(),
+            message: "the prefill ended without an answer".into(),
+            param: None,
+            retry_after_s: None,
+        })
+    }))
+}
+
+async fn decode(
+    State(ctx): State<Ctx>,
+    Json(order): Json<DecodeOrder>,
+) -> axum::response::Response {
+    let (tx, rx) = mpsc::unbounded_channel::<WireEvent>();
+    let jobs = ctx.handle.jobs.clone();
+    // The pull blocks on a socket: a thread of its own, never the model's.
+    let spawned = std::thread::Builder::new()
+        .name("kv-pull".into())
+        .spawn(move || pull_then_submit(&ctx, order, tx, &jobs));
+    if let Err(e) = spawned {
+        return axum::response::IntoResponse::into_response((
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            e.to_string(),
+        ));
+    }
+    let lines = tokio_stream_lines(rx);
+    axum::response::Response::builder()
+        .header("content-type", "application/x-ndjson")
+        .body(Body::from_stream(lines))
+        .unwrap_or_default()
+}
+
+fn tokio_stream_lines(
+    rx: mpsc::UnboundedReceiver<WireEvent>,
+) -> impl futures_util::Stream<Item = Result<Vec<u8>, std::io::Error>> {
+    futures_util::stream::unfold(rx, |mut rx| async move {
+        let ev = rx.recv().await?;
+        let mut line = serde_json::to_vec(&ev).unwrap_or_default();
+        line.push(b'\n');
+        Some((Ok(line), rx))
+    })
+    .boxed()
+}
+
+fn pull_then_submit(
+    ctx: &Ctx,
+    order: DecodeOrder,
+    events: mpsc::UnboundedSender<WireEvent>,
+    jobs: &std::sync::mpsc::Sender<Job>,
+) {
+    let DecodeOrder {
+        prepared,
+        handle,
+        already_sent,
+        policy,
+        ..
+    } = order;
+    // A failed load: recompute here, or end the request with an error.
+    let failed = |why: String| match policy {
+        LoadFailurePolicy::Recompute => {
+            eprintln!("decode: K/V load failed ({why}); recomputing the prompt");
+            Some(Job::Recompute {
+                prep: prepared.clone(),
+                skip: already_sent,
+                events: events.clone(),
+            })
+        }
+        LoadFailurePolicy::Fail => {
+            let _ = events.send(WireEvent::Error(crate::wire::WireError {
+                kind: "internal".into(),
+                message: format!("K/V load failed: {why}"),
+                param: None,
+                retry_after_s: None,
+            }));
+            None
+        }
+    };
+    let job = match handle {
+        None => Some(Job::Recompute {
+            prep: prepared.clone(),
+            skip: already_sent,
+            events: events.clone(),
+        }),
+        Some(h) => {
+            let got = kv_client::pull(&h, ctx.layout, ctx.model_id, ctx.capacity, ctx.pull_timeout)
+                .map_err(|e| e.to_string())
+                .and_then(|p| {
+                    let meta: SeqMeta = serde_json::from_slice(&p.meta)
+                        .map_err(|e| format!("the transfer's meta: {e}"))?;
+                    if meta.output.len() != already_sent {
+                        return Err(format!(
+                            "the transfer carries {} sampled tokens; the client has {already_sent}",
+                            meta.output.len()
+                        ));
+                    }
+                    Ok((p, meta))
+                });
+            match got {
+                Ok((p, meta)) => Some(Job::Import {
+                    prep: prepared.clone(),
+                    kv: p.kv,
+                    meta,
+                    bytes: p.bytes,
+                    events: events.clone(),
+                }),
+                Err(why) => failed(why),
+            }
+        }
+    };
+    let Some(job) = job else { return };
+    if jobs.send(job).is_err() {
+        let _ = events.send(WireEvent::Error(crate::wire::WireError {
+            kind: "unavailable".into(),
+            message: "the model thread has stopped".into(),
+            param: None,
+            retry_after_s: None,
+        }));
+    }
+}
+
+async fn stats(State(ctx): State<Ctx>) -> Json<serde_json::Value> {
+    let l = &ctx.handle.load;
+    let mut v = json!({
+        "running": l.running.load(Ordering::SeqCst),
+        "waiting": l.waiting.load(Ordering::SeqCst),
+        "kv_used_blocks": l.kv_used_blocks.load(Ordering::SeqCst),
+        "kv_total_blocks": l.kv_total_blocks.load(Ordering::SeqCst),
+        "imported": l.imported.load(Ordering::SeqCst),
+        "recomputed": l.recomputed.load(Ordering::SeqCst),
+        "prefilled": l.prefilled.load(Ordering::SeqCst),
+    });
+    if let Some(s) = &ctx.server {
+        let st = &s.stats;
+        v["transfers_held"] = json!(st.held.load(Ordering::SeqCst));
+        v["transfer_bytes_held"] = json!(st.held_bytes.load(Ordering::SeqCst));
+        v["transfer_bytes_sent"] = json!(st.sent_bytes.load(Ordering::SeqCst));
+        v["transfers_acked"] = json!(st.acked.load(Ordering::SeqCst));
+        v["transfers_expired"] = json!(st.expired.load(Ordering::SeqCst));
+        v["transfers_refused"] = json!(st.refused.load(Ordering::SeqCst));
+    }
+    Json(v)
+}
