@@ -1,0 +1,94 @@
+//! Disaggregated serving gives what one engine gives: every token, its
+//! text, its log-probability and its top alternatives, bit for bit
+//! (the serving core is batch-invariant, so which worker and which
+//! neighbours a sequence had change nothing), on native and f32 weights,
+//! with one and with two workers of each role. Every transfer moves
+//! exactly 2 · L · n_kv · head_dim · T · 4 bytes, and nothing stays held.
+
+mod support;
+
+use common::engine::Engine;
+use p14_distributed::registry::Role;
+use p14_distributed::wire::LoadFailurePolicy;
+use support::*;
+
+fn check(weights: &str, prefill: usize, decode: usize) {
+    let none: &[&str] = &[];
+    let p = vec![none; prefill];
+    let d = vec![none; decode];
+    let rig = rig(weights, 1, &p, &d, LoadFailurePolicy::Fail);
+    let one = colocated(weights);
+    let mut want_bytes = 0;
+    // Sequential, then all at once (they share the workers' steps).
+    let reqs: Vec<_> = PROMPTS
+        .iter()
+        .enumerate()
+        .map(|(i, t)| request(i, t, 12))
+        .collect();
+    for r in &reqs {
+        let want = collect(&one, r.clone());
+        let got = rig.run(r.clone());
+        assert_eq!(tokens(&want), 12);
+        assert_eq!(got, want, "{weights} {prefill}P{decode}D: {:?}", r.prompt);
+        want_bytes += kv_bytes(prompt_tokens(&got));
+    }
+    let streams: Vec<_> = reqs
+        .iter()
+        .map(|r| rig.proxy.submit(r.clone()).expect("submitted"))
+        .collect();
+    for (r, rx) in reqs.iter().zip(streams) {
+        let got = drain(rx);
+        assert_eq!(got, collect(&one, r.clone()), "concurrent: {:?}", r.prompt);
+        want_bytes += kv_bytes(prompt_tokens(&got));
+    }
+    // Counters against the formula, summed over the prefill workers.
+    let stats = |role: Role, key: &str| -> u64 {
+        rig.workers
+            .iter()
+            .filter(|w| w.role == role)
+            .map(|w| {
+                wait_stat(&rig, w, "transfers_held", 0)[key]
+                    .as_u64()
+                    .unwrap_or(0)
+            })
+            .sum()
+    };
+    assert_eq!(stats(Role::Prefill, "transfer_bytes_sent"), want_bytes);
+    assert_eq!(
+        rig.proxy
+            .stats
+            .kv_bytes
+            .load(std::sync::atomic::Ordering::SeqCst),
+        want_bytes
+    );
+    assert_eq!(
+        stats(Role::Prefill, "transfers_acked"),
+        2 * reqs.len() as u64
+    );
+    assert_eq!(
+        stats(Role::Prefill, "transfers_held"),
+        0,
+        "held after every ack"
+    );
+    assert_eq!(stats(Role::Decode, "imported"), 2 * reqs.len() as u64);
+    assert_eq!(stats(Role::Decode, "recomputed"), 0);
+    for w in rig.workers.iter().filter(|w| w.role == Role::Decode) {
+        let s = wait_stat(&rig, w, "running", 0);
+        assert_eq!(s["running"], 0, "{}", w.url);
+    }
+}
+
+#[test]
+fn native_1p1d_equals_one_engine_bit_for_bit() {
+    check("native", 1, 1);
+}
+
+#[test]
+fn native_2p2d_equals_one_engine_bit_for_bit() {
+    check("native", 2, 2);
+}
+
+#[test]
+fn f32_1p1d_equals_one_engine_bit_for_bit() {
+    check("f32", 1, 1);
+}
