@@ -210,7 +210,7 @@ impl Trip {
                 handle,
                 ..
             }) => {
-                self.decode(prepared, Some(handle), Some(first.into()))
+                self.decode(*prepared, Some(handle), Some(first.into()))
                     .await
             }
             Some(PrefillReply::Finished {

@@ -73,6 +73,14 @@ impl Board {
             .map(|(r, _)| r.clone())
     }
 
+    /// Workers whose last report is fresh enough to route by.
+    pub fn fresh_reports(&self) -> usize {
+        lock(&self.reports)
+            .values()
+            .filter(|(_, t)| t.elapsed() < FRESH)
+            .count()
+    }
+
     pub fn begin(&self, id: &str) {
         *lock(&self.inflight).entry(id.to_string()).or_default() += 1;
     }

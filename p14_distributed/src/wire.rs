@@ -321,7 +321,7 @@ pub struct TransferHandle {
 pub enum PrefillReply {
     /// The first token is sampled and the K/V waits to be pulled.
     Transfer {
-        prepared: WirePrepared,
+        prepared: Box<WirePrepared>,
         first: WireToken,
         handle: TransferHandle,
         /// Seconds: waiting in the queue, and the prefill's steps.

@@ -68,7 +68,7 @@ pub enum Job {
 enum Client {
     Prefill {
         reply: Option<oneshot::Sender<PrefillReply>>,
-        prep: WirePrepared,
+        prep: Box<WirePrepared>,
         arrival: Instant,
         started: Option<Instant>,
     },
@@ -230,14 +230,13 @@ impl<M: BatchModel> Thread<'_, M> {
             } => {
                 let client = Client::Prefill {
                     reply: Some(reply),
-                    prep: prep.clone(),
+                    prep: Box::new(prep.clone()),
                     arrival,
                     started: None,
                 };
-                if let Err((e, c)) = self.submit(&prep, client) {
-                    if let Client::Prefill { reply: Some(r), .. } = c {
-                        let _ = r.send(PrefillReply::Error((&e).into()));
-                    }
+                if let Err((e, Client::Prefill { reply: Some(r), .. })) = self.submit(&prep, client)
+                {
+                    let _ = r.send(PrefillReply::Error((&e).into()));
                 }
             }
             Job::Recompute { prep, skip, events } => {
@@ -278,6 +277,7 @@ impl<M: BatchModel> Thread<'_, M> {
     }
 
     /// Queue a request from its prompt; an error comes back with the client.
+    #[allow(clippy::result_large_err)] // the client comes back to be told
     fn submit(&mut self, prep: &WirePrepared, client: Client) -> Result<(), (EngineError, Client)> {
         let id = self.id();
         let params = prep.params();

@@ -34,6 +34,9 @@ pub struct Worker {
 }
 
 pub struct Rig {
+    /// One cluster at a time per test binary: timing-based checks (leases,
+    /// stale reports) are not starved by another test's workers.
+    _serial: std::sync::MutexGuard<'static, ()>,
     pub etcd: EtcdCluster,
     pub nats: Option<Nats>,
     pub workers: Vec<Worker>,
@@ -99,6 +102,8 @@ pub fn rig(
     decode: &[&[&str]],
     policy: LoadFailurePolicy,
 ) -> Rig {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let etcd = EtcdCluster::start(members, "127.0.0.1")
         .expect("etcd (install it: apt-get install -y etcd-server)");
     let nats = Nats::start("127.0.0.1").expect("NATS (install it: apt-get install -y nats-server)");
@@ -138,6 +143,7 @@ pub fn rig(
         rt.handle().clone(),
     ));
     let rig = Rig {
+        _serial: serial,
         etcd,
         nats: Some(nats),
         workers,

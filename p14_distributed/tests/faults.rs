@@ -1,0 +1,225 @@
+//! The fault matrix: each fault, and that nothing is lost. A request that
+//! could be served is served with the tokens one engine gives; one that
+//! cannot (policy `fail`) ends with an error; no K/V is left held on
+//! either side.
+
+mod support;
+
+use std::time::Duration;
+
+use common::engine::EngineEvent;
+use p14_distributed::registry::Role;
+use p14_distributed::wire::LoadFailurePolicy;
+use support::*;
+
+fn is_error(events: &[EngineEvent]) -> bool {
+    matches!(events.last(), Some(EngineEvent::Error(_)))
+}
+
+/// Every decode worker holds no sequence and every live prefill worker
+/// no transfer.
+fn nothing_held(rig: &Rig) {
+    for w in &rig.workers {
+        let key = match w.role {
+            Role::Prefill => "transfers_held",
+            Role::Decode => "running",
+        };
+        let s = wait_stat(rig, w, key, 0);
+        assert_eq!(s[key], 0, "{} {}: {s}", w.role.as_str(), w.url);
+        if w.role == Role::Decode {
+            assert_eq!(s["waiting"], 0, "{s}");
+        }
+    }
+}
+
+#[test]
+fn a_corrupted_frame_is_refused_then_recomputed_or_failed_by_policy() {
+    let one = colocated("native");
+    let req = request(0, PROMPTS[2], 10);
+    let want = collect(&one, req.clone());
+    for policy in [LoadFailurePolicy::Recompute, LoadFailurePolicy::Fail] {
+        let rig = rig(
+            "native",
+            1,
+            &[&["--fault-corrupt-layer", "7"]],
+            &[&[]],
+            policy,
+        );
+        let got = rig.run(req.clone());
+        match policy {
+            LoadFailurePolicy::Recompute => {
+                assert_eq!(got, want, "recomputed after a bad checksum");
+                let d = rig.stats(&rig.workers[1]);
+                assert_eq!(
+                    (d["recomputed"].as_u64(), d["imported"].as_u64()),
+                    (Some(1), Some(0))
+                );
+            }
+            LoadFailurePolicy::Fail => assert!(is_error(&got), "{got:?}"),
+        }
+        // The receiver's corrupt ack freed the prefill's copy at once.
+        let p = wait_stat(&rig, &rig.workers[0], "transfers_acked", 1);
+        assert_eq!(p["transfers_acked"], 1, "{p}");
+        nothing_held(&rig);
+    }
+}
+
+#[test]
+fn a_layout_mismatch_is_refused_at_the_handshake() {
+    let one = colocated("native");
+    let req = request(1, PROMPTS[0], 8);
+    let want = collect(&one, req.clone());
+    // Blocks of 16 on the prefill side, 32 on the decode side.
+    let rig = rig(
+        "native",
+        1,
+        &[&[]],
+        &[&["--block-size", "32"]],
+        LoadFailurePolicy::Recompute,
+    );
+    let got = rig.run(req);
+    assert_eq!(got, want);
+    let p = rig.stats(&rig.workers[0]);
+    assert_eq!(p["transfers_refused"], 1, "{p}");
+    assert_eq!(p["transfer_bytes_sent"], 0, "no K/V crossed: {p}");
+    // The refused transfer is freed by its lease (5 s here).
+    std::thread::sleep(Duration::from_millis(5500));
+    let p = wait_stat(&rig, &rig.workers[0], "transfers_expired", 1);
+    assert_eq!(
+        (
+            p["transfers_held"].as_u64(),
+            p["transfers_expired"].as_u64()
+        ),
+        (Some(0), Some(1))
+    );
+    nothing_held(&rig);
+}
+
+#[test]
+fn a_prefill_worker_killed_mid_transfer_loses_nothing() {
+    let one = colocated("native");
+    let req = request(2, PROMPTS[3], 10);
+    let want = collect(&one, req.clone());
+    for policy in [LoadFailurePolicy::Recompute, LoadFailurePolicy::Fail] {
+        // It exits after sending 12 of 30 layers.
+        let rig = rig(
+            "native",
+            1,
+            &[&["--fault-die-after-layers", "12"]],
+            &[&[]],
+            policy,
+        );
+        let got = rig.run(req.clone());
+        match policy {
+            LoadFailurePolicy::Recompute => assert_eq!(got, want),
+            LoadFailurePolicy::Fail => assert!(is_error(&got), "{got:?}"),
+        }
+        let mut rig = rig;
+        let status = rig.workers[0].proc.child.wait().unwrap();
+        assert_eq!(
+            status.code(),
+            Some(17),
+            "the prefill worker died mid-transfer"
+        );
+        let dead = rig.workers.remove(0);
+        nothing_held(&rig);
+        // Its lease expires and it leaves routing; requests then go
+        // straight to the decode worker, which recomputes.
+        rig.wait_view(0, 1, Duration::from_secs(10));
+        drop(dead);
+        if policy == LoadFailurePolicy::Recompute {
+            assert_eq!(rig.run(req.clone()), want);
+        }
+    }
+}
+
+#[test]
+fn nats_down_routes_by_load_alone_and_etcd_down_by_the_last_view() {
+    let one = colocated("native");
+    let none: &[&str] = &[];
+    let mut rig = rig(
+        "native",
+        1,
+        &[none, none],
+        &[none, none],
+        LoadFailurePolicy::Fail,
+    );
+    let reqs: Vec<_> = PROMPTS
+        .iter()
+        .enumerate()
+        .map(|(i, t)| request(i, t, 6))
+        .collect();
+    let want: Vec<_> = reqs.iter().map(|r| collect(&one, r.clone())).collect();
+    std::thread::sleep(Duration::from_millis(500)); // load reports arrive
+    for (r, w) in reqs.iter().zip(&want) {
+        assert_eq!(&rig.run(r.clone()), w);
+    }
+    let by = |rig: &Rig| {
+        let s = &rig.proxy.stats;
+        (
+            s.by_report.load(std::sync::atomic::Ordering::SeqCst)
+                + s.by_prefix.load(std::sync::atomic::Ordering::SeqCst),
+            s.by_inflight.load(std::sync::atomic::Ordering::SeqCst),
+        )
+    };
+    let (reported, inflight) = by(&rig);
+    assert!(
+        reported >= 1,
+        "with NATS: routed on its reports ({reported}, {inflight})"
+    );
+    // NATS down: the reports go stale within a second (the last ones may
+    // still be in flight when it dies).
+    drop(rig.nats.take());
+    let t0 = std::time::Instant::now();
+    while rig.proxy.board.fresh_reports() > 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "reports still fresh 5 s after NATS died"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for (r, w) in reqs.iter().zip(&want) {
+        assert_eq!(&rig.run(r.clone()), w);
+    }
+    let (r2, i2) = by(&rig);
+    assert_eq!(
+        (r2 - reported, i2 - inflight),
+        (0, 8),
+        "without NATS: on in-flight counts"
+    );
+    // etcd down too: the proxy keeps its last view, the workers serve.
+    for m in &mut rig.etcd.members {
+        m.kill();
+    }
+    std::thread::sleep(Duration::from_secs(3)); // past the workers' lease TTL
+    rig.wait_view(2, 2, Duration::from_secs(1));
+    for (r, w) in reqs.iter().zip(&want) {
+        assert_eq!(&rig.run(r.clone()), w);
+    }
+    nothing_held(&rig);
+}
+
+#[test]
+fn a_stopped_worker_leaves_routing_and_comes_back_when_resumed() {
+    let one = colocated("native");
+    let none: &[&str] = &[];
+    let rig = rig("native", 1, &[none], &[none, none], LoadFailurePolicy::Fail);
+    let req = request(3, PROMPTS[1], 6);
+    let want = collect(&one, req.clone());
+    let stopped = &rig.workers[2];
+    stopped.proc.signal(libc::SIGSTOP);
+    // Its lease (2 s) expires: etcd deletes its record, the watch says so.
+    rig.wait_view(1, 1, Duration::from_secs(6));
+    for _ in 0..3 {
+        assert_eq!(
+            rig.run(req.clone()),
+            want,
+            "served by the other decode worker"
+        );
+    }
+    stopped.proc.signal(libc::SIGCONT);
+    // It finds its lease gone and registers again.
+    rig.wait_view(1, 2, Duration::from_secs(6));
+    assert_eq!(rig.run(req), want);
+    nothing_held(&rig);
+}
