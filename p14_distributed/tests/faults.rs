@@ -223,3 +223,116 @@ fn a_stopped_worker_leaves_routing_and_comes_back_when_resumed() {
     assert_eq!(rig.run(req), want);
     nothing_held(&rig);
 }
+
+#[test]
+fn a_decode_worker_lost_mid_stream_errors_and_before_its_stream_is_replaced() {
+    let one = colocated("native");
+    let none: &[&str] = &[];
+    let mut rig = rig("native", 1, &[none], &[none, none], LoadFailurePolicy::Fail);
+    // Mid-stream: a long request, its decode worker killed after 3 tokens.
+    let long = request(4, PROMPTS[2], 400);
+    let mut rx = common::engine::Engine::submit(&*rig.proxy, long).unwrap();
+    let mut got = Vec::new();
+    while got.len() < 3 {
+        got.push(rx.blocking_recv().expect("tokens before the kill"));
+    }
+    let serving = (1..3)
+        .find(|&i| rig.stats(&rig.workers[i])["running"] == 1)
+        .expect("one decode worker runs the request");
+    rig.workers[serving].proc.kill();
+    let rest = drain(rx);
+    assert!(is_error(&rest), "a cut stream ends with an error: {rest:?}");
+    assert!(tokens(&got) == 3, "{got:?}");
+    // Before its stream: the dead worker is still in the proxy's view
+    // (its etcd lease, 2 s, has not run out). Once its load reports are
+    // stale, decode routing goes by in-flight counts, ties to the last id:
+    // decode-1 is picked first. Dead, it refuses the connection; the proxy
+    // marks it and takes the other, and the request succeeds.
+    rig.wait_view(1, 2, Duration::from_secs(1));
+    let t0 = std::time::Instant::now();
+    while rig.proxy.board.fresh_reports() > 2 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(3),
+            "the dead worker's reports stay fresh"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let dead = rig.workers.remove(serving);
+    drop(dead);
+    let req = request(5, PROMPTS[0], 8);
+    let want = collect(&one, req.clone());
+    for _ in 0..3 {
+        assert_eq!(rig.run(req.clone()), want);
+    }
+    let retries = rig
+        .proxy
+        .stats
+        .decode_retries
+        .load(std::sync::atomic::Ordering::SeqCst);
+    let dead_is_last = serving == 2;
+    assert_eq!(
+        retries,
+        dead_is_last as u64,
+        "decode-{} died; retries",
+        serving - 1
+    );
+    rig.wait_view(1, 1, Duration::from_secs(6));
+    nothing_held(&rig);
+}
+
+/// (member id, leader id) of an etcd member, from its status.
+fn etcd_status(rig: &Rig, url: &str) -> Option<(String, String)> {
+    let http = rig.http.clone();
+    let url = format!("{url}/v3/maintenance/status");
+    rig.rt.block_on(async move {
+        let v: serde_json::Value = http
+            .post(url)
+            .body("{}")
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await
+            .ok()?
+            .json()
+            .await
+            .ok()?;
+        Some((
+            v["header"]["member_id"].as_str()?.to_string(),
+            v["leader"].as_str()?.to_string(),
+        ))
+    })
+}
+
+#[test]
+fn a_three_member_etcd_loses_a_follower_then_its_leader_and_service_continues() {
+    let one = colocated("native");
+    let none: &[&str] = &[];
+    let mut rig = rig("native", 3, &[none], &[none], LoadFailurePolicy::Fail);
+    let req = request(6, PROMPTS[1], 8);
+    let want = collect(&one, req.clone());
+    assert_eq!(rig.run(req.clone()), want);
+    let status: Vec<_> = rig
+        .etcd
+        .urls
+        .iter()
+        .map(|u| etcd_status(&rig, u).unwrap())
+        .collect();
+    let leader = status.iter().position(|(me, l)| me == l).expect("a leader");
+    let follower = (leader + 1) % 3;
+    // A follower down: two of three keep quorum; a new worker registers.
+    rig.etcd.members[follower].kill();
+    assert_eq!(rig.run(req.clone()), want);
+    let urls: Vec<String> = (0..3)
+        .filter(|&i| i != follower)
+        .map(|i| rig.etcd.urls[i].clone())
+        .collect();
+    let args = worker_args("native", &urls.join(","), None, "decode-late", &[]);
+    rig.workers.push(start_worker(Role::Decode, &args));
+    rig.wait_view(1, 2, Duration::from_secs(10));
+    // The leader down too: no quorum; the proxy serves from its last view.
+    rig.etcd.members[leader].kill();
+    for _ in 0..3 {
+        assert_eq!(rig.run(req.clone()), want);
+    }
+    rig.wait_view(1, 2, Duration::from_secs(1));
+    nothing_held(&rig);
+}
