@@ -21,7 +21,8 @@ use crate::protocol::{self, Hello, ProtocolError, Status, HELLO_LEN};
 /// A prompt's K/V waiting to be pulled.
 #[derive(Debug)]
 struct Held {
-    kv: KvBuffer,
+    /// Shared with the senders (no copy per pull).
+    kv: Arc<KvBuffer>,
     prompt_hash: u64,
     /// The sequence's state for the decode worker (JSON, see `SeqMeta`).
     meta: Vec<u8>,
@@ -115,7 +116,7 @@ impl KvServer {
         let id = self.next_id.fetch_add(1, Ordering::SeqCst);
         let bytes = kv.data.len() * 4;
         let held = Held {
-            kv,
+            kv: Arc::new(kv),
             prompt_hash,
             meta,
             expires: Instant::now() + self.lease,
@@ -191,9 +192,9 @@ impl KvServer {
             return Err(ProtocolError::Refused(status));
         }
         protocol::write_accept(&mut w, Status::Ok, tokens, &meta)?;
-        // The buffer is cloned out so the lock is not held across sends.
+        // The buffer is shared out so the lock is not held across sends.
         let kv = match self.lock().get(&id) {
-            Some(h) => h.kv.clone(),
+            Some(h) => Arc::clone(&h.kv),
             None => return Err(ProtocolError::Refused(Status::Unknown)),
         };
         let layers = match self.faults.die_after_layers {

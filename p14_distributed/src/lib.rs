@@ -4,6 +4,8 @@
 //! prompt's K/V over a framed TCP protocol of their own; a proxy speaks
 //! the OpenAI API in front. See the crate README for the protocol.
 
+#[cfg(feature = "bench")]
+pub mod bench_transfer;
 pub mod cluster;
 pub mod etcd;
 pub mod events;

@@ -1,9 +1,10 @@
 //! `p14_distributed`: disaggregated prefill and decode.
 //!
 //!   cargo run --release -p p14_distributed -- up --prefill 1 --decode 1 --port 8000
-//!   cargo run --release -p p14_distributed -- prefill --etcd http://10.0.0.1:2379 --host 10.0.0.2
-//!   cargo run --release -p p14_distributed -- decode  --etcd http://10.0.0.1:2379 --host 10.0.0.3
-//!   cargo run --release -p p14_distributed -- proxy   --etcd http://10.0.0.1:2379 --port 8000
+//!   cargo run --release -p p14_distributed -- prefill --etcd http://192.0.2.1:2379 --host 192.0.2.2
+//!   cargo run --release -p p14_distributed -- decode  --etcd http://192.0.2.1:2379 --host 192.0.2.3
+//!   cargo run --release -p p14_distributed -- proxy   --etcd http://192.0.2.1:2379 --port 8000
+//!   cargo run --release -p p14_distributed -- bench-transfer
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -30,6 +31,9 @@ enum Cmd {
     Decode(WorkerArgs),
     /// The proxy (the OpenAI API) in front of the registered workers.
     Proxy(ProxyArgs),
+    #[cfg(feature = "bench")]
+    /// One prompt's K/V over the transfer protocol against prompt length, beside the link's TCP ceiling.
+    BenchTransfer(p14_distributed::bench_transfer::TransferArgs),
 }
 
 fn main() -> Result<()> {
@@ -41,6 +45,8 @@ fn main() -> Result<()> {
             .enable_all()
             .build()?
             .block_on(p14_distributed::proxy_serve::run(a)),
+        #[cfg(feature = "bench")]
+        Cmd::BenchTransfer(a) => p14_distributed::bench_transfer::run(&a),
     }
 }
 

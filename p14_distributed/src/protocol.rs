@@ -282,11 +282,73 @@ pub fn layer_payload(buf: &KvBuffer, layer: usize, start: usize, count: usize, o
         for v in [false, true] {
             for h in 0..l.n_kv_head {
                 let o = l.offset(layer, v, h, 0);
-                for x in &block[o..o + filled * l.head_dim] {
-                    out.extend_from_slice(&x.to_le_bytes());
+                put_floats(out, &block[o..o + filled * l.head_dim]);
+            }
+        }
+    }
+}
+
+/// The same, one float at a time: the reference the fast path is tested
+/// against.
+pub fn layer_payload_naive(
+    buf: &KvBuffer,
+    layer: usize,
+    start: usize,
+    count: usize,
+    out: &mut Vec<u8>,
+) {
+    let l = &buf.layout;
+    out.clear();
+    for b in start..(start + count).min(buf.n_blocks()) {
+        let filled = (buf.tokens - b * l.block_size).min(l.block_size);
+        for v in [false, true] {
+            for h in 0..l.n_kv_head {
+                for slot in 0..filled {
+                    for d in 0..l.head_dim {
+                        let x = buf.block(b)[l.offset(layer, v, h, slot) + d];
+                        out.extend_from_slice(&x.to_le_bytes());
+                    }
                 }
             }
         }
+    }
+}
+
+/// Floats as little-endian bytes: one copy of their memory on a
+/// little-endian machine.
+fn put_floats(out: &mut Vec<u8>, xs: &[f32]) {
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: the view covers exactly `xs`'s memory, borrowed for the
+        // call; every byte of an f32 is initialised.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(xs.as_ptr().cast::<u8>(), std::mem::size_of_val(xs))
+        };
+        out.extend_from_slice(bytes);
+    }
+    #[cfg(not(target_endian = "little"))]
+    for x in xs {
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+}
+
+/// Little-endian bytes into floats (`bytes.len() == 4 * dst.len()`).
+fn get_floats(dst: &mut [f32], bytes: &[u8]) {
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: the view covers exactly `dst`'s memory, exclusively
+        // borrowed for the call; any 4 bytes are a valid f32.
+        let d = unsafe {
+            std::slice::from_raw_parts_mut(
+                dst.as_mut_ptr().cast::<u8>(),
+                std::mem::size_of_val(dst),
+            )
+        };
+        d.copy_from_slice(bytes);
+    }
+    #[cfg(not(target_endian = "little"))]
+    for (x, c) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
+        *x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
     }
 }
 
@@ -294,18 +356,16 @@ pub fn layer_payload(buf: &KvBuffer, layer: usize, start: usize, count: usize, o
 /// tokens beforehand; the lengths were checked against the layout).
 fn fill_layer(buf: &mut KvBuffer, layer: usize, start: usize, count: usize, payload: &[u8]) {
     let l = buf.layout;
-    let mut floats = payload
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+    let mut at = 0;
     for b in start..(start + count).min(buf.n_blocks()) {
         let filled = (buf.tokens - b * l.block_size).min(l.block_size);
         let block = buf.block_mut(b);
         for v in [false, true] {
             for h in 0..l.n_kv_head {
                 let o = l.offset(layer, v, h, 0);
-                for x in &mut block[o..o + filled * l.head_dim] {
-                    *x = floats.next().unwrap_or(0.0);
-                }
+                let n = filled * l.head_dim;
+                get_floats(&mut block[o..o + n], &payload[at..at + 4 * n]);
+                at += 4 * n;
             }
         }
     }

@@ -142,3 +142,16 @@ fn a_flipped_bit_a_wrong_layer_or_a_huge_length_is_refused() {
     let e = read_accept(&mut &wire[..10], 64).unwrap_err();
     assert!(matches!(e, ProtocolError::Io(_)), "{e}");
 }
+
+#[test]
+fn the_bulk_payload_equals_the_float_by_float_reference() {
+    for tokens in [1, 4, 7, 16] {
+        let b = buffer(tokens);
+        for layer in 0..3 {
+            let (mut fast, mut naive) = (Vec::new(), Vec::new());
+            layer_payload(&b, layer, 0, b.n_blocks(), &mut fast);
+            layer_payload_naive(&b, layer, 0, b.n_blocks(), &mut naive);
+            assert_eq!(fast, naive, "{tokens} tokens, layer {layer}");
+        }
+    }
+}
