@@ -5,6 +5,8 @@
 //! the OpenAI API in front. See the crate README for the protocol.
 
 #[cfg(feature = "bench")]
+pub mod bench_itl;
+#[cfg(feature = "bench")]
 pub mod bench_transfer;
 pub mod cluster;
 pub mod etcd;

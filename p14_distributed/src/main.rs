@@ -34,6 +34,9 @@ enum Cmd {
     #[cfg(feature = "bench")]
     /// One prompt's K/V over the transfer protocol against prompt length, beside the link's TCP ceiling.
     BenchTransfer(p14_distributed::bench_transfer::TransferArgs),
+    #[cfg(feature = "bench")]
+    /// Decode streams' ITL under a mixed long-prompt/short-decode load: 1P1D pinned one core each against the co-located engine.
+    BenchItl(p14_distributed::bench_itl::ItlArgs),
 }
 
 fn main() -> Result<()> {
@@ -47,6 +50,8 @@ fn main() -> Result<()> {
             .block_on(p14_distributed::proxy_serve::run(a)),
         #[cfg(feature = "bench")]
         Cmd::BenchTransfer(a) => p14_distributed::bench_transfer::run(&a),
+        #[cfg(feature = "bench")]
+        Cmd::BenchItl(a) => p14_distributed::bench_itl::run(&a),
     }
 }
 

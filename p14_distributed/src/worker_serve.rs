@@ -83,6 +83,9 @@ pub struct WorkerArgs {
     /// Decode workers: seconds a pull may go without progress.
     #[arg(long, default_value_t = 10)]
     pub pull_timeout_s: u64,
+    /// Pin the worker to this CPU (benchmarks: one core per role).
+    #[arg(long)]
+    pub cpu: Option<usize>,
     #[command(flatten)]
     pub sched: SchedArgs,
     /// Fault tests: flip a bit in this layer's frame (prefill workers).
@@ -137,6 +140,9 @@ fn load(path: &Path, weights: Weights) -> anyhow::Result<p05_kv_cache::load::Loa
 
 /// Run a worker of `role` until the process is killed.
 pub fn run(role: Role, a: WorkerArgs) -> anyhow::Result<()> {
+    if let Some(cpu) = a.cpu {
+        pin_to(cpu)?;
+    }
     let path = p06_server::load::resolve_model(&a.model)?;
     let t0 = Instant::now();
     let loaded = load(&path, a.weights)?;
@@ -384,4 +390,19 @@ async fn stats(State(ctx): State<Ctx>) -> Json<serde_json::Value> {
         v["transfers_refused"] = json!(st.refused.load(Ordering::SeqCst));
     }
     Json(v)
+}
+
+/// Pin this process (its threads started after this) to one CPU.
+pub fn pin_to(cpu: usize) -> anyhow::Result<()> {
+    // SAFETY: a zeroed cpu_set_t is the empty set; CPU_SET writes inside
+    // it; sched_setaffinity reads it for this process (pid 0).
+    let r = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    if r != 0 {
+        anyhow::bail!("pinning to CPU {cpu}: {}", std::io::Error::last_os_error());
+    }
+    Ok(())
 }
