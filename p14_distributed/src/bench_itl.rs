@@ -13,13 +13,9 @@ use clap::Args;
 use common::engine::{Engine, EngineEvent, EngineRequest, PromptInput, SamplingParams};
 use common::numbers::{command_line, Recorder, Row};
 use common::stats::percentile_sorted;
-use p08_continuous::{ContinuousConfig, ContinuousEngine};
-use p09_kv_manager::PagedKv;
 
 use crate::cluster::{self, EtcdCluster, Nats};
-use crate::proxy::Proxy;
-use crate::registry::{self, Role, View};
-use crate::routing::Board;
+use crate::registry::Role;
 use crate::wire::LoadFailurePolicy;
 
 #[derive(Clone, Debug, Args)]
@@ -155,28 +151,6 @@ fn drive(engine: Arc<dyn Engine>, a: &ItlArgs) -> Seen {
     s
 }
 
-fn colocated(path: &std::path::Path) -> Result<ContinuousEngine> {
-    let loaded = p10_quant::loader::load_native(path, p10_quant::NativeWeights::detect())?;
-    let (engine, tok) = p06_server::load::with_tokenizer(path, loaded)?;
-    let config = ContinuousConfig {
-        kv_cache_bytes: 256 << 20,
-        ..ContinuousConfig::default()
-    };
-    let kv = PagedKv::new(
-        common::batch::BatchModel::kv_shape(&engine),
-        16,
-        config.kv_cache_bytes,
-        true,
-    )?;
-    Ok(ContinuousEngine::start_with_backend(
-        Arc::new(engine),
-        Arc::new(tok),
-        &p06_server::load::served_name("smollm2"),
-        config,
-        kv,
-    )?)
-}
-
 pub fn run(a: &ItlArgs) -> Result<()> {
     let path = p06_server::load::resolve_model("smollm2")?;
     // Disaggregated: etcd, NATS, a prefill worker on CPU 0, a decode
@@ -207,14 +181,14 @@ pub fn run(a: &ItlArgs) -> Result<()> {
         .worker_threads(1)
         .enable_all()
         .build()?;
-    let name = p06_server::load::served_name("smollm2");
-    let (info, tok) = crate::proxy_serve::front_of(&path, &name)?;
-    let input = p06_server::input::InputProcessor::new(Arc::new(tok), &info)?;
-    let view = Arc::new(View::default());
-    let board = Arc::new(Board::default());
-    let e = crate::etcd::Etcd::new(etcd.urls.clone(), Duration::from_secs(2));
-    rt.spawn(registry::follow(e, view.clone()));
-    rt.spawn(crate::events::subscribe(nats.url.clone(), board.clone()));
+    let (proxy, view) = crate::proxy_serve::in_process(
+        "smollm2",
+        p06_server::load::served_name("smollm2"),
+        etcd.urls.clone(),
+        Some(nats.url.clone()),
+        LoadFailurePolicy::Fail,
+        rt.handle(),
+    )?;
     let t0 = Instant::now();
     while view.workers(Role::Prefill).is_empty() || view.workers(Role::Decode).is_empty() {
         anyhow::ensure!(
@@ -223,18 +197,14 @@ pub fn run(a: &ItlArgs) -> Result<()> {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    let proxy: Arc<dyn Engine> = Arc::new(Proxy::new(
-        name,
-        info.context_length,
-        input,
-        view,
-        board,
-        LoadFailurePolicy::Fail,
-        rt.handle().clone(),
-    ));
+    let proxy: Arc<dyn Engine> = Arc::new(proxy);
     let disagg = drive(proxy, a);
     drop(procs);
-    let colo: Arc<dyn Engine> = Arc::new(colocated(&path)?);
+    let colo: Arc<dyn Engine> = Arc::new(crate::worker_serve::colocated(
+        &path,
+        crate::worker_serve::Weights::Native,
+        256 << 20,
+    )?);
     let colo = drive(colo, a);
     let mut rows = Vec::new();
     let what = format!(

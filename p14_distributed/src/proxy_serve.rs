@@ -56,28 +56,50 @@ pub fn front_of(path: &Path, served: &str) -> anyhow::Result<(common::ModelInfo,
     Ok((info, tok))
 }
 
-/// Serve the proxy until SIGINT/SIGTERM.
-pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
-    let path = p06_server::load::resolve_model(&a.listen.model)?;
-    let name = a.listen.name();
+/// A proxy for model `spec` following etcd at `etcd` (and NATS at
+/// `nats`), its tasks on `rt`; and its view of the workers.
+pub fn in_process(
+    spec: &str,
+    name: String,
+    etcd: Vec<String>,
+    nats: Option<String>,
+    policy: LoadFailurePolicy,
+    rt: &tokio::runtime::Handle,
+) -> anyhow::Result<(Proxy, Arc<View>)> {
+    let path = p06_server::load::resolve_model(spec)?;
     let (info, tok) = front_of(&path, &name)?;
     let input = InputProcessor::new(Arc::new(tok), &info)?;
-    let etcd = Etcd::new(a.etcd.clone(), Duration::from_secs(2));
     let view = Arc::new(View::default());
-    tokio::spawn(registry::follow(etcd, view.clone()));
+    rt.spawn(registry::follow(
+        Etcd::new(etcd, Duration::from_secs(2)),
+        view.clone(),
+    ));
     let board = Arc::new(Board::default());
-    if let Some(url) = a.nats.clone() {
-        tokio::spawn(crate::events::subscribe(url, board.clone()));
+    if let Some(url) = nats {
+        rt.spawn(crate::events::subscribe(url, board.clone()));
     }
     let proxy = Proxy::new(
         name,
         info.context_length,
         input,
-        view,
+        view.clone(),
         board,
-        a.kv_load_failure_policy,
-        tokio::runtime::Handle::current(),
+        policy,
+        rt.clone(),
     );
+    Ok((proxy, view))
+}
+
+/// Serve the proxy until SIGINT/SIGTERM.
+pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
+    let (proxy, _) = in_process(
+        &a.listen.model,
+        a.listen.name(),
+        a.etcd.clone(),
+        a.nats.clone(),
+        a.kv_load_failure_policy,
+        &tokio::runtime::Handle::current(),
+    )?;
     let listener = a.listen.bind().await?;
     let state = AppState::new(Arc::new(proxy), a.listen.max_body_bytes);
     Ok(server::run_until_signal(listener, state, a.listen.grace()).await?)

@@ -138,6 +138,31 @@ fn load(path: &Path, weights: Weights) -> anyhow::Result<p05_kv_cache::load::Loa
     })
 }
 
+/// The co-located engine the disaggregated one is measured and tested
+/// against: the same weights on Project 09's paged K/V (blocks of 16,
+/// prefix caching) under Project 08's continuous batching, in this
+/// process.
+pub fn colocated(
+    path: &Path,
+    weights: Weights,
+    kv_cache_bytes: usize,
+) -> anyhow::Result<p08_continuous::ContinuousEngine> {
+    let (engine, tok) = p06_server::load::with_tokenizer(path, load(path, weights)?)?;
+    let config = p08_continuous::ContinuousConfig {
+        kv_cache_bytes,
+        ..Default::default()
+    };
+    let kv = PagedKv::new(engine.kv_shape(), 16, kv_cache_bytes, true)?;
+    let name = p06_server::load::served_name("smollm2");
+    Ok(p08_continuous::ContinuousEngine::start_with_backend(
+        Arc::new(engine),
+        Arc::new(tok),
+        &name,
+        config,
+        kv,
+    )?)
+}
+
 /// Run a worker of `role` until the process is killed.
 pub fn run(role: Role, a: WorkerArgs) -> anyhow::Result<()> {
     if let Some(cpu) = a.cpu {

@@ -9,15 +9,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::engine::{Engine, EngineEvent, EngineRequest, PromptInput, SamplingParams};
-use p06_server::input::InputProcessor;
-use p08_continuous::{ContinuousConfig, ContinuousEngine};
-use p09_kv_manager::PagedKv;
+use p08_continuous::ContinuousEngine;
 use p14_distributed::cluster::{self, EtcdCluster, Nats, Proc};
-use p14_distributed::etcd::Etcd;
 use p14_distributed::proxy::Proxy;
-use p14_distributed::registry::{self, Role, View};
-use p14_distributed::routing::Board;
+use p14_distributed::registry::{Role, View};
 use p14_distributed::wire::LoadFailurePolicy;
+use p14_distributed::worker_serve::Weights;
 use serde_json::Value;
 
 pub const PROMPTS: [&str; 4] = [
@@ -121,27 +118,16 @@ pub fn rig(
         .enable_all()
         .build()
         .unwrap();
-    let path = model_path();
-    let name = p06_server::load::served_name("smollm2");
-    let (info, tok) = p14_distributed::proxy_serve::front_of(&path, &name).unwrap();
-    let input = InputProcessor::new(Arc::new(tok), &info).unwrap();
-    let view = Arc::new(View::default());
-    let board = Arc::new(Board::default());
-    let e = Etcd::new(etcd.urls.clone(), Duration::from_secs(2));
-    rt.spawn(registry::follow(e, view.clone()));
-    rt.spawn(p14_distributed::events::subscribe(
-        nats.url.clone(),
-        board.clone(),
-    ));
-    let proxy = Arc::new(Proxy::new(
-        name,
-        info.context_length,
-        input,
-        view.clone(),
-        board,
+    let (proxy, view) = p14_distributed::proxy_serve::in_process(
+        "smollm2",
+        p06_server::load::served_name("smollm2"),
+        etcd.urls.clone(),
+        Some(nats.url.clone()),
         policy,
-        rt.handle().clone(),
-    ));
+        rt.handle(),
+    )
+    .unwrap();
+    let proxy = Arc::new(proxy);
     let rig = Rig {
         _serial: serial,
         etcd,
@@ -250,32 +236,11 @@ pub fn drain(mut rx: common::engine::EngineStream) -> Vec<EngineEvent> {
 
 /// The co-located engine: the same weights and paged K/V in one process.
 pub fn colocated(weights: &str) -> ContinuousEngine {
-    let path = model_path();
-    let loaded = match weights {
-        "native" => p10_quant::loader::load_native(&path, p10_quant::NativeWeights::detect()),
-        _ => p10_quant::loader::load(&path, false),
-    }
-    .unwrap();
-    let (engine, tok) = p06_server::load::with_tokenizer(&path, loaded).unwrap();
-    let config = ContinuousConfig {
-        kv_cache_bytes: 48 << 20,
-        ..ContinuousConfig::default()
+    let w = match weights {
+        "native" => Weights::Native,
+        _ => Weights::F32,
     };
-    let kv = PagedKv::new(
-        common::batch::BatchModel::kv_shape(&engine),
-        16,
-        config.kv_cache_bytes,
-        true,
-    )
-    .unwrap();
-    ContinuousEngine::start_with_backend(
-        Arc::new(engine),
-        Arc::new(tok),
-        &p06_server::load::served_name("smollm2"),
-        config,
-        kv,
-    )
-    .unwrap()
+    p14_distributed::worker_serve::colocated(&model_path(), w, 48 << 20).unwrap()
 }
 
 /// Tokens of a run, in order.
