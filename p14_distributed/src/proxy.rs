@@ -204,14 +204,8 @@ impl Trip {
 
     async fn run(self, prep: WirePrepared) {
         match self.prefill(&prep).await {
-            Some(PrefillReply::Transfer {
-                prepared,
-                first,
-                handle,
-                ..
-            }) => {
-                self.decode(*prepared, Some(handle), Some(first.into()))
-                    .await
+            Some(PrefillReply::Transfer { first, handle, .. }) => {
+                self.decode(prep, Some(handle), Some(first.into())).await
             }
             Some(PrefillReply::Finished {
                 first,

@@ -320,8 +320,8 @@ pub struct TransferHandle {
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum PrefillReply {
     /// The first token is sampled and the K/V waits to be pulled.
+    /// (The request itself stays with the proxy, which sent it.)
     Transfer {
-        prepared: Box<WirePrepared>,
         first: WireToken,
         handle: TransferHandle,
         /// Seconds: waiting in the queue, and the prefill's steps.

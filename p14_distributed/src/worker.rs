@@ -68,7 +68,6 @@ pub enum Job {
 enum Client {
     Prefill {
         reply: Option<oneshot::Sender<PrefillReply>>,
-        prep: Box<WirePrepared>,
         arrival: Instant,
         started: Option<Instant>,
     },
@@ -230,7 +229,6 @@ impl<M: BatchModel> Thread<'_, M> {
             } => {
                 let client = Client::Prefill {
                     reply: Some(reply),
-                    prep: Box::new(prep.clone()),
                     arrival,
                     started: None,
                 };
@@ -423,7 +421,6 @@ impl<M: BatchModel> Thread<'_, M> {
         };
         let Client::Prefill {
             reply: Some(reply),
-            prep,
             arrival,
             started,
         } = client
@@ -459,7 +456,6 @@ impl<M: BatchModel> Thread<'_, M> {
         let now = Instant::now();
         let started = started.unwrap_or(arrival);
         let _ = reply.send(PrefillReply::Transfer {
-            prepared: prep,
             first: first.as_ref().map_or(
                 crate::wire::WireToken {
                     text: String::new(),
