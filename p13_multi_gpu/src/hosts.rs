@@ -104,7 +104,8 @@ pub struct Hosts {
     delay_by: DelayBy,
 }
 
-fn run(args: &[&str]) -> Result<(), HostsError> {
+/// Run a command (`ip`, `tc`), its stderr as the error.
+pub fn run(args: &[&str]) -> Result<(), HostsError> {
     let out = Command::new(args[0])
         .args(&args[1..])
         .output()
@@ -121,14 +122,14 @@ fn run(args: &[&str]) -> Result<(), HostsError> {
     })
 }
 
-/// Delete namespaces of this module whose process is gone.
-fn sweep() {
+/// Delete namespaces named `<prefix><pid>-...` whose process is gone.
+pub fn sweep(prefix: &str) {
     let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else {
         return;
     };
     for line in String::from_utf8_lossy(&out.stdout).lines() {
         let name = line.split_whitespace().next().unwrap_or("");
-        let Some(rest) = name.strip_prefix(PREFIX) else {
+        let Some(rest) = name.strip_prefix(prefix) else {
             continue;
         };
         let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
@@ -142,7 +143,7 @@ fn sweep() {
 
 /// This thread into namespace `name` (its sockets and devices from now
 /// on are that namespace's).
-fn enter_ns(name: &str) -> Result<(), HostsError> {
+pub fn enter_ns(name: &str) -> Result<(), HostsError> {
     let path = format!("/run/netns/{name}");
     let f = File::open(&path).map_err(|source| HostsError::Io {
         what: format!("opening {path}"),
@@ -214,7 +215,7 @@ impl Hosts {
                 reason: "between 1 and 200 hosts".into(),
             });
         }
-        sweep();
+        sweep(PREFIX);
         // Several sets may live in one process (tests run in parallel).
         static SETS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let set = SETS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

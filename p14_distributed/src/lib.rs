@@ -5,6 +5,8 @@
 //! the OpenAI API in front. See the crate README for the protocol.
 
 #[cfg(feature = "bench")]
+pub mod bench_hosts;
+#[cfg(feature = "bench")]
 pub mod bench_itl;
 #[cfg(feature = "bench")]
 pub mod bench_transfer;
@@ -13,6 +15,9 @@ pub mod etcd;
 pub mod events;
 pub mod kv_client;
 pub mod kv_server;
+#[cfg(feature = "bench")]
+pub mod mooncake;
+pub mod netns;
 pub mod protocol;
 pub mod proxy;
 pub mod proxy_serve;

@@ -32,11 +32,14 @@ enum Cmd {
     /// The proxy (the OpenAI API) in front of the registered workers.
     Proxy(ProxyArgs),
     #[cfg(feature = "bench")]
-    /// One prompt's K/V over the transfer protocol against prompt length, beside the link's TCP ceiling.
+    /// One prompt's K/V over the transfer protocol against prompt length, on loopback and 1/10/25 Gbit/s links, beside the link's TCP ceiling and Mooncake's transfer engine.
     BenchTransfer(p14_distributed::bench_transfer::TransferArgs),
     #[cfg(feature = "bench")]
     /// Decode streams' ITL under a mixed long-prompt/short-decode load: 1P1D pinned one core each against the co-located engine.
     BenchItl(p14_distributed::bench_itl::ItlArgs),
+    #[cfg(feature = "bench")]
+    /// Prefill and decode workers on two hosts (network namespaces, shaped links): TTFT split, and sending K/V against recomputing it.
+    BenchHosts(p14_distributed::bench_hosts::HostsArgs),
 }
 
 fn main() -> Result<()> {
@@ -52,6 +55,8 @@ fn main() -> Result<()> {
         Cmd::BenchTransfer(a) => p14_distributed::bench_transfer::run(&a),
         #[cfg(feature = "bench")]
         Cmd::BenchItl(a) => p14_distributed::bench_itl::run(&a),
+        #[cfg(feature = "bench")]
+        Cmd::BenchHosts(a) => p14_distributed::bench_hosts::run(&a),
     }
 }
 

@@ -364,6 +364,7 @@ impl Trip {
                     WireEvent::Admitted {
                         recomputed,
                         kv_bytes,
+                        ..
                     } => {
                         started = true;
                         if recomputed {

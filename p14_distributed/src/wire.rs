@@ -265,6 +265,8 @@ pub enum WireEvent {
     Admitted {
         recomputed: bool,
         kv_bytes: usize,
+        /// Seconds the pull took (connect to ack); 0 for a recompute.
+        pull_s: f64,
     },
     Token(WireToken),
     Done {

@@ -36,6 +36,7 @@ use p09_kv_manager::prefix_hash::{block_hashes, Xxh3BlockHasher};
 use p09_kv_manager::PagedKv;
 use tokio::sync::{mpsc, oneshot};
 
+use crate::kv_client::RecvPool;
 use crate::kv_server::KvServer;
 use crate::protocol::prompt_hash;
 use crate::wire::{PrefillReply, SeqMeta, TransferHandle, WireError, WireEvent, WirePrepared};
@@ -52,8 +53,9 @@ pub enum Job {
         prep: WirePrepared,
         kv: KvBuffer,
         meta: SeqMeta,
-        /// Payload bytes the pull read.
+        /// Payload bytes the pull read, and its seconds.
         bytes: usize,
+        pull_s: f64,
         events: mpsc::UnboundedSender<WireEvent>,
     },
     Recompute {
@@ -106,6 +108,8 @@ pub struct WorkerLoad {
 pub struct WorkerHandle {
     pub jobs: std_mpsc::Sender<Job>,
     pub load: Arc<WorkerLoad>,
+    /// Buffers pulls land in; an imported one comes back here.
+    pub pool: Arc<RecvPool>,
 }
 
 /// Start the model thread on `model` with paged K/V `kv`; prefill workers
@@ -122,6 +126,8 @@ pub fn start<M: BatchModel + Send + Sync + 'static>(
     load.kv_total_blocks
         .store(kv.manager().pool().num_blocks(), Ordering::SeqCst);
     let l = load.clone();
+    let pool = Arc::new(RecvPool::new(2));
+    let p = pool.clone();
     std::thread::Builder::new()
         .name("model".into())
         .spawn(move || {
@@ -139,12 +145,28 @@ pub fn start<M: BatchModel + Send + Sync + 'static>(
                 tok: &tok,
                 server,
                 load: l,
+                pool: p,
                 next_id: 0,
                 pending: VecDeque::new(),
             }
             .run(&rx)
         })?;
-    Ok(WorkerHandle { jobs: tx, load })
+    Ok(WorkerHandle {
+        jobs: tx,
+        load,
+        pool,
+    })
+}
+
+/// A pulled sequence waiting for room to be imported.
+#[derive(Debug)]
+struct Pending {
+    prep: WirePrepared,
+    state: SeqExport,
+    /// The pull's payload bytes and seconds.
+    bytes: usize,
+    pull_s: f64,
+    events: mpsc::UnboundedSender<WireEvent>,
 }
 
 type Core<'a, M> =
@@ -155,14 +177,10 @@ struct Thread<'a, M: BatchModel> {
     tok: &'a Tokenizer,
     server: Option<Arc<KvServer>>,
     load: Arc<WorkerLoad>,
+    pool: Arc<RecvPool>,
     next_id: SeqId,
     /// Imports that found no room yet (retried after every step).
-    pending: VecDeque<(
-        WirePrepared,
-        SeqExport,
-        usize,
-        mpsc::UnboundedSender<WireEvent>,
-    )>,
+    pending: VecDeque<Pending>,
 }
 
 impl<M: BatchModel> Thread<'_, M> {
@@ -242,6 +260,7 @@ impl<M: BatchModel> Thread<'_, M> {
                 let _ = events.send(WireEvent::Admitted {
                     recomputed: true,
                     kv_bytes: 0,
+                    pull_s: 0.0,
                 });
                 let client = Client::Stream {
                     events: events.clone(),
@@ -256,6 +275,7 @@ impl<M: BatchModel> Thread<'_, M> {
                 kv,
                 meta,
                 bytes,
+                pull_s,
                 events,
             } => {
                 let state = SeqExport {
@@ -269,7 +289,13 @@ impl<M: BatchModel> Thread<'_, M> {
                     salt: prep.salt.clone(),
                     kv,
                 };
-                self.pending.push_back((prep, state, bytes, events));
+                self.pending.push_back(Pending {
+                    prep,
+                    state,
+                    bytes,
+                    pull_s,
+                    events,
+                });
             }
         }
     }
@@ -309,10 +335,18 @@ impl<M: BatchModel> Thread<'_, M> {
 
     fn retry_pending(&mut self) {
         for _ in 0..self.pending.len() {
-            let Some((prep, state, bytes, events)) = self.pending.pop_front() else {
+            let Some(p) = self.pending.pop_front() else {
                 break;
             };
+            let Pending {
+                prep,
+                state,
+                bytes,
+                pull_s,
+                events,
+            } = p;
             if events.is_closed() {
+                self.pool.give(state.kv);
                 continue;
             }
             let id = self.id();
@@ -322,15 +356,21 @@ impl<M: BatchModel> Thread<'_, M> {
             };
             match self.core.import(id, &state, client) {
                 Ok(()) => {
+                    self.pool.give(state.kv);
                     self.load.imported.fetch_add(1, Ordering::SeqCst);
                     let _ = events.send(WireEvent::Admitted {
                         recomputed: false,
                         kv_bytes: bytes,
+                        pull_s,
                     });
                 }
-                Err((HandoffError::Busy(_), _)) => {
-                    self.pending.push_back((prep, state, bytes, events))
-                }
+                Err((HandoffError::Busy(_), _)) => self.pending.push_back(Pending {
+                    prep,
+                    state,
+                    bytes,
+                    pull_s,
+                    events,
+                }),
                 Err((e, _)) => {
                     // The buffer passed the handshake, so this is a bug or
                     // a sequence that cannot continue here: recompute it.

@@ -358,25 +358,34 @@ fn pull_then_submit(
             events: events.clone(),
         }),
         Some(h) => {
-            let got = kv_client::pull(&h, ctx.layout, ctx.model_id, ctx.capacity, ctx.pull_timeout)
-                .map_err(|e| e.to_string())
-                .and_then(|p| {
-                    let meta: SeqMeta = serde_json::from_slice(&p.meta)
-                        .map_err(|e| format!("the transfer's meta: {e}"))?;
-                    if meta.output.len() != already_sent {
-                        return Err(format!(
-                            "the transfer carries {} sampled tokens; the client has {already_sent}",
-                            meta.output.len()
-                        ));
-                    }
-                    Ok((p, meta))
-                });
+            let pool = &ctx.handle.pool;
+            let got = kv_client::pull(
+                &h,
+                ctx.layout,
+                ctx.model_id,
+                ctx.capacity,
+                ctx.pull_timeout,
+                pool,
+            )
+            .map_err(|e| e.to_string())
+            .and_then(|p| {
+                let meta: SeqMeta = serde_json::from_slice(&p.meta)
+                    .map_err(|e| format!("the transfer's meta: {e}"))?;
+                if meta.output.len() != already_sent {
+                    return Err(format!(
+                        "the transfer carries {} sampled tokens; the client has {already_sent}",
+                        meta.output.len()
+                    ));
+                }
+                Ok((p, meta))
+            });
             match got {
                 Ok((p, meta)) => Some(Job::Import {
                     prep: prepared.clone(),
                     kv: p.kv,
                     meta,
                     bytes: p.bytes,
+                    pull_s: p.seconds,
                     events: events.clone(),
                 }),
                 Err(why) => failed(why),
