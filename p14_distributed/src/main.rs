@@ -40,6 +40,9 @@ enum Cmd {
     #[cfg(feature = "bench")]
     /// Prefill and decode workers on two hosts (network namespaces, shaped links): TTFT split, and sending K/V against recomputing it.
     BenchHosts(p14_distributed::bench_hosts::HostsArgs),
+    #[cfg(feature = "bench")]
+    /// Goodput at a TTFT and TPOT SLO for P:D ratios 1P1D, 2P1D, 1P2D against the co-located engine, one Poisson load.
+    BenchRatios(p14_distributed::bench_ratios::RatiosArgs),
 }
 
 fn main() -> Result<()> {
@@ -57,6 +60,8 @@ fn main() -> Result<()> {
         Cmd::BenchItl(a) => p14_distributed::bench_itl::run(&a),
         #[cfg(feature = "bench")]
         Cmd::BenchHosts(a) => p14_distributed::bench_hosts::run(&a),
+        #[cfg(feature = "bench")]
+        Cmd::BenchRatios(a) => p14_distributed::bench_ratios::run(&a),
     }
 }
 

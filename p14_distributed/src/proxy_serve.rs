@@ -90,6 +90,34 @@ pub fn in_process(
     Ok((proxy, view))
 }
 
+/// [`in_process`] on SmolLM2 with its served name, once its view holds
+/// `prefill` and `decode` workers (benches: every worker is up).
+pub fn ready_proxy(
+    (etcd, nats): (&[String], &str),
+    policy: LoadFailurePolicy,
+    (prefill, decode): (usize, usize),
+    rt: &tokio::runtime::Handle,
+) -> anyhow::Result<Proxy> {
+    let (proxy, view) = in_process(
+        "smollm2",
+        p06_server::load::served_name("smollm2"),
+        etcd.to_vec(),
+        Some(nats.to_string()),
+        policy,
+        rt,
+    )?;
+    let t0 = Instant::now();
+    while view.workers(Role::Prefill).len() < prefill || view.workers(Role::Decode).len() < decode {
+        if t0.elapsed() > Duration::from_secs(30) {
+            bail!(
+                "the proxy does not see {prefill} prefill and {decode} decode workers after 30 s"
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(proxy)
+}
+
 /// Serve the proxy until SIGINT/SIGTERM.
 pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
     let (proxy, _) = in_process(
@@ -129,6 +157,12 @@ pub struct UpArgs {
     /// Extra arguments for every worker (e.g. "--block-size 32").
     #[arg(long, allow_hyphen_values = true, default_value = "")]
     pub worker_args: String,
+    /// Extra arguments for the prefill workers only (e.g. "--cpu 0").
+    #[arg(long, allow_hyphen_values = true, default_value = "")]
+    pub prefill_args: String,
+    /// Extra arguments for the decode workers only (e.g. "--cpu 1").
+    #[arg(long, allow_hyphen_values = true, default_value = "")]
+    pub decode_args: String,
 }
 
 /// What `up` started (kept alive while it serves).
@@ -161,30 +195,25 @@ pub fn start_cluster(a: &UpArgs) -> anyhow::Result<Cluster> {
         }
         Some(u) => (None, u.clone()),
     };
-    let exe = std::env::current_exe()?;
-    let mut workers = Vec::new();
-    for (role, n) in [(Role::Prefill, a.prefill), (Role::Decode, a.decode)] {
+    let mut spec = Vec::new();
+    for (role, n, own) in [
+        (Role::Prefill, a.prefill, &a.prefill_args),
+        (Role::Decode, a.decode, &a.decode_args),
+    ] {
         for i in 0..n {
-            let mut args: Vec<String> = vec![
-                "--model".into(),
-                a.listen.model.clone(),
-                "--weights".into(),
-                format!("{:?}", a.weights).to_lowercase(),
-                "--etcd".into(),
-                etcd_urls.join(","),
-                "--nats".into(),
-                nats_url.clone(),
-                "--id".into(),
-                format!("{}-{i}", role.as_str()),
-                "--kv-cache-mib".into(),
-                a.kv_cache_mib.to_string(),
-            ];
-            args.extend(a.worker_args.split_whitespace().map(String::from));
-            let (p, url) = cluster::start_worker(&exe, role.as_str(), &args)?;
-            eprintln!("up: {} worker {i} at {url}", role.as_str());
-            workers.push(p);
+            let mut args: Vec<String> =
+                a.worker_args.split_whitespace().map(String::from).collect();
+            args.extend(own.split_whitespace().map(String::from));
+            spec.push((role, format!("{}-{i}", role.as_str()), args));
         }
     }
+    let workers = start_workers(
+        &a.listen.model,
+        a.weights,
+        (&etcd_urls, &nats_url),
+        a.kv_cache_mib,
+        &spec,
+    )?;
     let c = Cluster {
         etcd,
         nats,
@@ -194,6 +223,41 @@ pub fn start_cluster(a: &UpArgs) -> anyhow::Result<Cluster> {
     };
     wait_registered(&c.etcd_urls, a.prefill + a.decode, Duration::from_secs(60))?;
     Ok(c)
+}
+
+/// Start workers of this binary: for each of `spec`, its role, id and
+/// extra arguments; all on `model` with `weights`, following etcd at
+/// `urls.0` and NATS at `urls.1`.
+pub fn start_workers(
+    model: &str,
+    weights: crate::worker_serve::Weights,
+    (etcd, nats): (&[String], &str),
+    kv_cache_mib: usize,
+    spec: &[(Role, String, Vec<String>)],
+) -> anyhow::Result<Vec<Proc>> {
+    let exe = std::env::current_exe()?;
+    let mut workers = Vec::new();
+    for (role, id, extra) in spec {
+        let mut args: Vec<String> = vec![
+            "--model".into(),
+            model.into(),
+            "--weights".into(),
+            format!("{weights:?}").to_lowercase(),
+            "--etcd".into(),
+            etcd.join(","),
+            "--nats".into(),
+            nats.into(),
+            "--id".into(),
+            id.clone(),
+            "--kv-cache-mib".into(),
+            kv_cache_mib.to_string(),
+        ];
+        args.extend(extra.iter().cloned());
+        let (p, url) = cluster::start_worker(&exe, role.as_str(), &args)?;
+        eprintln!("{} worker {id} at {url}", role.as_str());
+        workers.push(p);
+    }
+    Ok(workers)
 }
 
 /// Until `n` workers are registered.

@@ -83,6 +83,11 @@ pub struct WorkerArgs {
     /// Decode workers: seconds a pull may go without progress.
     #[arg(long, default_value_t = 10)]
     pub pull_timeout_s: u64,
+    /// Decode workers: the pull threads' nice value (0 to 19). Above 0,
+    /// the model thread wins the core when both are ready: a pull's copies
+    /// wait, the running streams' steps do not.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(i32).range(0..=19))]
+    pub pull_nice: i32,
     /// Pin the worker to this CPU (benchmarks: one core per role).
     #[arg(long)]
     pub cpu: Option<usize>,
@@ -127,6 +132,7 @@ struct Ctx {
     model_id: u64,
     capacity: usize,
     pull_timeout: Duration,
+    pull_nice: i32,
 }
 
 fn load(path: &Path, weights: Weights) -> anyhow::Result<p05_kv_cache::load::LoadedEngine> {
@@ -230,6 +236,7 @@ pub fn run(role: Role, a: WorkerArgs) -> anyhow::Result<()> {
         model_id,
         capacity,
         pull_timeout: Duration::from_secs(a.pull_timeout_s),
+        pull_nice: a.pull_nice,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -324,6 +331,21 @@ fn pull_then_submit(
     events: mpsc::UnboundedSender<WireEvent>,
     jobs: &std::sync::mpsc::Sender<Job>,
 ) {
+    if ctx.pull_nice > 0 {
+        // SAFETY: gettid and setpriority take and return plain integers;
+        // on Linux the nice value belongs to a thread, here this one.
+        let r = unsafe {
+            let tid = libc::gettid() as libc::id_t;
+            libc::setpriority(libc::PRIO_PROCESS, tid, ctx.pull_nice)
+        };
+        if r != 0 {
+            eprintln!(
+                "decode: nice {}: {}",
+                ctx.pull_nice,
+                std::io::Error::last_os_error()
+            );
+        }
+    }
     let DecodeOrder {
         prepared,
         handle,
