@@ -67,6 +67,16 @@ impl<B: KvBackend, R: ModelRunner, C> EngineCore<'_, B, R, C> {
     /// abort it to hand it off). It must have sampled a token and have
     /// every earlier token's K/V.
     pub fn export(&mut self, id: SeqId) -> Result<SeqExport, HandoffError> {
+        self.export_parts(id, true)
+    }
+
+    /// [`Self::export`] without copying the K/V (it left already, streamed
+    /// while it was computed): the export's `kv` holds no positions.
+    pub fn export_state(&mut self, id: SeqId) -> Result<SeqExport, HandoffError> {
+        self.export_parts(id, false)
+    }
+
+    fn export_parts(&mut self, id: SeqId, with_kv: bool) -> Result<SeqExport, HandoffError> {
         let e = self.scheduler.find(id).ok_or(HandoffError::Unknown(id))?;
         let seq = &e.data.seq;
         if seq.is_finished() {
@@ -88,7 +98,10 @@ impl<B: KvBackend, R: ModelRunner, C> EngineCore<'_, B, R, C> {
         );
         let kv = self.kv.seq_kv(id).ok_or(HandoffError::NotCaughtUp(id))?;
         self.flush_ops()?;
-        let kv = self.runner.export_kv(id, &kv, computed)?;
+        let kv = match with_kv {
+            true => self.runner.export_kv(id, &kv, computed)?,
+            false => KvBuffer::zeros(self.runner.layout(), 0),
+        };
         Ok(SeqExport {
             prompt,
             output,

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use p08_continuous::kv_transfer::{KvBuffer, KvLayout};
 
+use crate::frames::{self, Next};
 use crate::protocol::{self, Hello, ProtocolError, Status, VERSION};
 use crate::wire::TransferHandle;
 
@@ -110,7 +111,7 @@ pub fn pull(
     };
     w.write_all(&hello.encode()?)?;
     w.flush()?;
-    let (tokens, meta) = protocol::read_accept(&mut r, max_tokens)?;
+    let tokens = protocol::read_accept(&mut r, max_tokens)?;
     if tokens != handle.tokens {
         return Err(ProtocolError::Range {
             what: "tokens (against the prefill's reply)",
@@ -121,10 +122,21 @@ pub fn pull(
     // Allocated before the first frame (a kept buffer if the pool has one).
     let mut kv = pool.take(layout, tokens);
     let mut scratch = Vec::new();
+    let mut filled = vec![0usize; layout.n_layer];
     let mut bytes = 0;
-    for layer in 0..layout.n_layer {
-        match protocol::read_layer(&mut r, handle.transfer_id, layer, &mut kv, &mut scratch) {
-            Ok(n) => bytes += n,
+    // Frames until the trailer; a prefill still running sends heartbeats
+    // while it has nothing new, so the deadline counts from the last word.
+    let meta = loop {
+        match frames::read_next(
+            &mut r,
+            handle.transfer_id,
+            &mut kv,
+            &mut filled,
+            &mut scratch,
+        ) {
+            Ok(Next::Frame { bytes: n, .. }) => bytes += n,
+            Ok(Next::Heartbeat) => {}
+            Ok(Next::Trailer(meta)) => break meta,
             Err(e) => {
                 if matches!(e, ProtocolError::Checksum { .. }) {
                     let _ = protocol::write_ack(&mut w, handle.transfer_id, Status::Corrupt);
@@ -133,7 +145,7 @@ pub fn pull(
                 return Err(e);
             }
         }
-    }
+    };
     protocol::write_ack(&mut w, handle.transfer_id, Status::Ok)?;
     w.flush()?;
     Ok(Pulled {

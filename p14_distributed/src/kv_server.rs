@@ -16,16 +16,29 @@ use std::time::{Duration, Instant};
 
 use p08_continuous::kv_transfer::{KvBuffer, KvLayout};
 
+use crate::frames;
+use crate::live::{End, Live};
 use crate::protocol::{self, Hello, ProtocolError, Status, HELLO_LEN};
+
+/// What a held transfer sends.
+#[derive(Clone, Debug)]
+enum Body {
+    /// A finished prompt's K/V, shared with the senders (no copy per
+    /// pull), and the sequence's state for the decode worker (JSON, see
+    /// `SeqMeta`).
+    Ready(Arc<KvBuffer>, Arc<Vec<u8>>),
+    /// A prompt still being prefilled, streamed as its layers are written.
+    Live(Arc<Live>),
+}
 
 /// A prompt's K/V waiting to be pulled.
 #[derive(Debug)]
 struct Held {
-    /// Shared with the senders (no copy per pull).
-    kv: Arc<KvBuffer>,
+    body: Body,
+    tokens: usize,
+    bytes: usize,
     prompt_hash: u64,
-    /// The sequence's state for the decode worker (JSON, see `SeqMeta`).
-    meta: Vec<u8>,
+    /// A live transfer's lease starts when its prefill ends.
     expires: Instant,
 }
 
@@ -43,9 +56,10 @@ pub struct ServerStats {
 /// Fault injection for the fault tests (off in normal runs).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Faults {
-    /// Flip a bit in this layer's frame.
+    /// Flip a bit in this layer's (first) frame.
     pub corrupt_layer: Option<usize>,
-    /// Exit the process after sending this many layers.
+    /// Exit the process after sending this many layers (frames, when
+    /// streamed).
     pub die_after_layers: Option<usize>,
 }
 
@@ -113,12 +127,27 @@ impl KvServer {
 
     /// Hold `kv` for a decode worker; its transfer id.
     pub fn hold(&self, kv: KvBuffer, prompt_hash: u64, meta: Vec<u8>) -> u64 {
+        let (tokens, bytes) = (kv.tokens, kv.data.len() * 4);
+        let body = Body::Ready(Arc::new(kv), Arc::new(meta));
+        self.insert(body, tokens, bytes, prompt_hash)
+    }
+
+    /// Open a transfer of `tokens` positions to be filled while its prompt
+    /// is prefilled; its id and what the forward pass writes into.
+    pub fn open_live(&self, tokens: usize, prompt_hash: u64) -> (u64, Arc<Live>) {
+        let live = Arc::new(Live::new(self.layout, tokens));
+        let bytes = live.bytes();
+        let id = self.insert(Body::Live(live.clone()), tokens, bytes, prompt_hash);
+        (id, live)
+    }
+
+    fn insert(&self, body: Body, tokens: usize, bytes: usize, prompt_hash: u64) -> u64 {
         let id = self.next_id.fetch_add(1, Ordering::SeqCst);
-        let bytes = kv.data.len() * 4;
         let held = Held {
-            kv: Arc::new(kv),
+            body,
+            tokens,
+            bytes,
             prompt_hash,
-            meta,
             expires: Instant::now() + self.lease,
         };
         self.lock().insert(id, held);
@@ -134,20 +163,26 @@ impl KvServer {
     fn release(&self, id: u64) -> Option<Held> {
         let h = self.lock().remove(&id)?;
         self.stats.held.fetch_sub(1, Ordering::SeqCst);
-        self.stats
-            .held_bytes
-            .fetch_sub(h.kv.data.len() * 4, Ordering::SeqCst);
+        self.stats.held_bytes.fetch_sub(h.bytes, Ordering::SeqCst);
         Some(h)
     }
 
     /// Drop every transfer whose lease has passed.
     pub fn sweep(&self, now: Instant) {
-        let gone: Vec<u64> = self
-            .lock()
-            .iter()
-            .filter(|(_, h)| h.expires <= now)
-            .map(|(id, _)| *id)
-            .collect();
+        let gone: Vec<u64> = {
+            let mut held = self.lock();
+            for h in held.values_mut() {
+                if let Body::Live(l) = &h.body {
+                    if !l.ended() {
+                        h.expires = now + self.lease;
+                    }
+                }
+            }
+            held.iter()
+                .filter(|(_, h)| h.expires <= now)
+                .map(|(id, _)| *id)
+                .collect()
+        };
         for id in gone {
             if self.release(id).is_some() {
                 self.stats.expired.fetch_add(1, Ordering::SeqCst);
@@ -175,38 +210,38 @@ impl KvServer {
         let id = hello.transfer_id;
         // Checked under the lock, sent without it: the entry stays held
         // (and its lease runs) while it is being sent.
-        let (status, tokens, meta) = {
+        let (status, tokens, body) = {
             let held = self.lock();
             match held.get(&id) {
-                None => (Status::Unknown, 0, Vec::new()),
+                None => (Status::Unknown, 0, None),
                 Some(h) => {
                     let s = hello.check(self.model_id, &self.layout, h.prompt_hash);
-                    (s, h.kv.tokens, h.meta.clone())
+                    (s, h.tokens, Some(h.body.clone()))
                 }
             }
         };
-        if status != Status::Ok {
+        let (Status::Ok, Some(body)) = (status, body) else {
             self.stats.refused.fetch_add(1, Ordering::SeqCst);
-            protocol::write_accept(&mut w, status, 0, &[])?;
+            protocol::write_accept(&mut w, status, 0)?;
             w.flush()?;
             return Err(ProtocolError::Refused(status));
-        }
-        protocol::write_accept(&mut w, Status::Ok, tokens, &meta)?;
-        // The buffer is shared out so the lock is not held across sends.
-        let kv = match self.lock().get(&id) {
-            Some(h) => Arc::clone(&h.kv),
-            None => return Err(ProtocolError::Refused(Status::Unknown)),
         };
-        let layers = match self.faults.die_after_layers {
-            Some(n) => 0..n.min(kv.layout.n_layer),
-            None => 0..kv.layout.n_layer,
+        protocol::write_accept(&mut w, Status::Ok, tokens)?;
+        let sent = match body {
+            Body::Ready(kv, meta) => {
+                let layers = match self.faults.die_after_layers {
+                    Some(n) => 0..n.min(kv.layout.n_layer),
+                    None => 0..kv.layout.n_layer,
+                };
+                let sent =
+                    frames::write_layers(&mut w, id, &kv, layers, self.faults.corrupt_layer)?;
+                self.die_if_told(&mut w)?;
+                frames::write_trailer(&mut w, &meta)?;
+                sent
+            }
+            Body::Live(live) => self.stream(&mut w, id, &live)?,
         };
-        let sent = protocol::write_layers(&mut w, id, &kv, layers, self.faults.corrupt_layer)?;
         w.flush()?;
-        if self.faults.die_after_layers.is_some() {
-            eprintln!("kv server: dying mid-transfer (fault injection)");
-            std::process::exit(17);
-        }
         self.stats
             .sent_bytes
             .fetch_add(sent as u64, Ordering::SeqCst);
@@ -220,6 +255,58 @@ impl KvServer {
             Status::Ok => Ok(()),
             s => Err(ProtocolError::Refused(s)),
         }
+    }
+}
+
+impl KvServer {
+    /// A live transfer's frames as its layers are written, heartbeats
+    /// while nothing is new, then the trailer; the payload bytes sent.
+    fn stream(&self, w: &mut impl Write, id: u64, live: &Live) -> Result<usize, ProtocolError> {
+        let n_layer = self.layout.n_layer;
+        let (mut sent, mut frames, mut bytes) = (vec![0usize; n_layer], 0usize, 0usize);
+        let mut payload = Vec::new();
+        loop {
+            let (runs, end) = live.next(&sent, Duration::from_secs(1));
+            if runs.is_empty() && end.is_none() {
+                frames::write_heartbeat(w)?;
+                w.flush()?;
+                continue;
+            }
+            for (layer, p0, p1) in runs {
+                live.with_kv(|kv| frames::layer_payload(kv, layer, p0, p1, &mut payload));
+                let bad = self.faults.corrupt_layer == Some(layer) && p0 == 0;
+                let h = frames::frame_header(id, layer, (p0, p1), &mut payload, bad)?;
+                w.write_all(&h)?;
+                w.write_all(&payload)?;
+                (sent[layer], frames, bytes) = (p1, frames + 1, bytes + payload.len());
+                if self.faults.die_after_layers == Some(frames) {
+                    self.die_if_told(w)?;
+                }
+            }
+            w.flush()?;
+            match end {
+                Some(End::Done(meta)) if sent.iter().all(|&s| s == live.tokens) => {
+                    frames::write_trailer(w, &meta)?;
+                    return Ok(bytes);
+                }
+                // The prefill failed: the decode worker's read ends and its
+                // policy decides.
+                Some(End::Failed(why)) => {
+                    return Err(ProtocolError::Io(std::io::Error::other(why)));
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// The fault tests' prefill worker dying mid-transfer.
+    fn die_if_told(&self, w: &mut impl Write) -> Result<(), ProtocolError> {
+        if self.faults.die_after_layers.is_some() {
+            w.flush()?;
+            eprintln!("kv server: dying mid-transfer (fault injection)");
+            std::process::exit(17);
+        }
+        Ok(())
     }
 }
 

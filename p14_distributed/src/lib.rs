@@ -15,8 +15,10 @@ pub mod bench_transfer;
 pub mod cluster;
 pub mod etcd;
 pub mod events;
+pub mod frames;
 pub mod kv_client;
 pub mod kv_server;
+pub mod live;
 #[cfg(feature = "bench")]
 pub mod mooncake;
 pub mod netns;
@@ -25,6 +27,7 @@ pub mod proxy;
 pub mod proxy_serve;
 pub mod registry;
 pub mod routing;
+pub mod tap;
 pub mod wire;
 pub mod worker;
 pub mod worker_serve;

@@ -10,6 +10,11 @@
 //!    pull the K/V and continue; its stream starts with `admitted`, then
 //!    the proxy sends the client the first token and relays the rest.
 //!
+//! Layer-wise (`--layerwise`): the prefill worker answers at once with the
+//! handle, and the decode worker pulls while the prompt is computed, each
+//! layer as soon as it is written; the first token then comes from the
+//! decode worker, in the transfer's trailer.
+//!
 //! Failures: a prefill worker that cannot be reached is passed over for
 //! the next; with none left the decode worker recomputes the prompt. A
 //! decode worker lost before its stream started is replaced (the next
@@ -64,6 +69,9 @@ pub struct Proxy {
     pub stats: Arc<ProxyStats>,
     closing: AtomicBool,
     rt: tokio::runtime::Handle,
+    /// Stream each prompt's K/V while it is prefilled (`/prefill_stream`):
+    /// the decode worker pulls layer by layer as they are computed.
+    layerwise: bool,
 }
 
 /// One request's journey (cloned into its task).
@@ -75,6 +83,7 @@ struct Trip {
     stats: Arc<ProxyStats>,
     events: mpsc::UnboundedSender<EngineEvent>,
     id: String,
+    layerwise: bool,
 }
 
 impl Proxy {
@@ -103,7 +112,14 @@ impl Proxy {
             stats: Arc::default(),
             closing: AtomicBool::new(false),
             rt,
+            layerwise: false,
         }
+    }
+
+    /// Stream prompts' K/V while they are prefilled (or not).
+    pub fn layerwise(mut self, on: bool) -> Proxy {
+        self.layerwise = on;
+        self
     }
 }
 
@@ -140,6 +156,7 @@ impl Engine for Proxy {
             stats: self.stats.clone(),
             events: tx,
             id,
+            layerwise: self.layerwise,
         };
         self.rt.spawn(trip.run(prep));
         Ok(rx)
@@ -207,6 +224,8 @@ impl Trip {
             Some(PrefillReply::Transfer { first, handle, .. }) => {
                 self.decode(prep, Some(handle), Some(first.into())).await
             }
+            // Streamed: the decode worker sends the first token on.
+            Some(PrefillReply::Started { handle }) => self.decode(prep, Some(handle), None).await,
             Some(PrefillReply::Finished {
                 first,
                 finish,
@@ -239,9 +258,13 @@ impl Trip {
             let hashes = block_hashes(&Xxh3BlockHasher, &prep.prompt, block_size, &prep.salt);
             let (w, basis) = self.board.pick_prefill(&workers, &hashes, &tried)?;
             self.board.begin(&w.id);
+            let path = match self.layerwise {
+                true => "prefill_stream",
+                false => "prefill",
+            };
             let r = self
                 .http
-                .post(format!("{}/prefill", w.http))
+                .post(format!("{}/{path}", w.http))
                 .json(prep)
                 // A long prompt queued behind others can take a while; a
                 // dead worker fails at once (its socket closes).

@@ -34,6 +34,9 @@ pub struct ProxyArgs {
     /// When a decode worker cannot load a prompt's K/V.
     #[arg(long, value_enum, default_value = "recompute")]
     pub kv_load_failure_policy: LoadFailurePolicy,
+    /// Stream each prompt's K/V layer by layer while it is prefilled.
+    #[arg(long)]
+    pub layerwise: bool,
 }
 
 /// The model's name, context and tokenizer from a GGUF file's header
@@ -128,6 +131,7 @@ pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
         a.kv_load_failure_policy,
         &tokio::runtime::Handle::current(),
     )?;
+    let proxy = proxy.layerwise(a.layerwise);
     let listener = a.listen.bind().await?;
     let state = AppState::new(Arc::new(proxy), a.listen.max_body_bytes);
     Ok(server::run_until_signal(listener, state, a.listen.grace()).await?)
@@ -157,6 +161,9 @@ pub struct UpArgs {
     /// Extra arguments for every worker (e.g. "--block-size 32").
     #[arg(long, allow_hyphen_values = true, default_value = "")]
     pub worker_args: String,
+    /// Stream each prompt's K/V layer by layer while it is prefilled.
+    #[arg(long)]
+    pub layerwise: bool,
     /// Extra arguments for the prefill workers only (e.g. "--cpu 0").
     #[arg(long, allow_hyphen_values = true, default_value = "")]
     pub prefill_args: String,
@@ -291,6 +298,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
         etcd: cluster.etcd_urls.clone(),
         nats: Some(cluster.nats_url.clone()),
         kv_load_failure_policy: a.kv_load_failure_policy,
+        layerwise: a.layerwise,
     };
     eprintln!(
         "up: {} prefill, {} decode; etcd {:?}, NATS {}; proxy on {}:{}",

@@ -330,6 +330,11 @@ pub enum PrefillReply {
         queue_s: f64,
         prefill_s: f64,
     },
+    /// A streamed prefill started (or is queued): pull its K/V now, layer
+    /// by layer as it is computed; the first token comes in the trailer.
+    Started {
+        handle: TransferHandle,
+    },
     /// The first token ended the request (a stop token, max_tokens 1).
     Finished {
         first: Option<WireToken>,
@@ -367,10 +372,25 @@ pub struct DecodeOrder {
 
 /// What travels with the K/V in the accept: the tokens sampled so far
 /// (the prefill's first) and where the sampler's random stream stands.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// A streamed prefill's trailer also carries the first token itself (the
+/// client has not seen it), and, when that token ended the request, how.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SeqMeta {
     pub output: Vec<u32>,
     pub sampler_seed: u64,
     pub sampler_draws: u64,
+    #[serde(default)]
+    pub first: Option<WireToken>,
+    #[serde(default)]
+    pub finish: Option<String>,
+    #[serde(default)]
+    pub prompt_tokens: usize,
+    #[serde(default)]
+    pub completion_tokens: usize,
+    /// Seconds in the prefill worker's queue, and prefilling.
+    #[serde(default)]
+    pub queue_s: f64,
+    #[serde(default)]
+    pub prefill_s: f64,
 }

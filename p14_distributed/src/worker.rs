@@ -5,6 +5,10 @@
 //!   sequence (its K/V and sampler state, [`EngineCore::export`]), drop it
 //!   from the core (its blocks free at once) and hold the export on the
 //!   K/V server under a lease for a decode worker to pull.
+//! - **Streamed prefill**: the same, but the prompt's K/V goes out while
+//!   it is computed: the storage's tap writes each layer's new positions
+//!   into a live transfer the decode worker is already pulling; the first
+//!   token and sampler state follow in the transfer's trailer.
 //! - **Import**: admit a pulled sequence as running with its prompt
 //!   computed ([`EngineCore::import`]) and stream the rest of its tokens.
 //! - **Recompute**: the load failed (the policy says recompute): run the
@@ -38,8 +42,10 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::kv_client::RecvPool;
 use crate::kv_server::KvServer;
+use crate::live::Live;
 use crate::protocol::prompt_hash;
-use crate::wire::{PrefillReply, SeqMeta, TransferHandle, WireError, WireEvent, WirePrepared};
+use crate::tap::{TapStorage, Taps};
+use crate::wire::{PrefillReply, SeqMeta, TransferHandle, WireEvent, WirePrepared, WireToken};
 
 /// Work for the model thread.
 #[derive(Debug)]
@@ -47,15 +53,19 @@ pub enum Job {
     Prefill {
         prep: WirePrepared,
         arrival: Instant,
-        reply: oneshot::Sender<PrefillReply>,
+        /// The answer (a plain prefill), or the live transfer to fill (a
+        /// streamed one, whose handle was answered already).
+        reply: Result<oneshot::Sender<PrefillReply>, Arc<Live>>,
     },
     Import {
         prep: WirePrepared,
         kv: KvBuffer,
-        meta: SeqMeta,
+        meta: Box<SeqMeta>,
         /// Payload bytes the pull read, and its seconds.
         bytes: usize,
         pull_s: f64,
+        /// A streamed prefill's first token: the client does not have it.
+        first: Option<WireToken>,
         events: mpsc::UnboundedSender<WireEvent>,
     },
     Recompute {
@@ -70,6 +80,8 @@ pub enum Job {
 enum Client {
     Prefill {
         reply: Option<oneshot::Sender<PrefillReply>>,
+        /// Streamed: the transfer its layers are written into.
+        live: Option<Arc<Live>>,
         arrival: Instant,
         started: Option<Instant>,
     },
@@ -83,6 +95,8 @@ enum Client {
 impl Client {
     fn is_gone(&self) -> bool {
         match self {
+            // A streamed prefill runs to its end: a decode worker waits.
+            Client::Prefill { live: Some(_), .. } => false,
             Client::Prefill { reply, .. } => reply.as_ref().is_none_or(|r| r.is_closed()),
             Client::Stream { events, .. } => events.is_closed(),
         }
@@ -132,7 +146,8 @@ pub fn start<M: BatchModel + Send + Sync + 'static>(
         .name("model".into())
         .spawn(move || {
             let info = model.info().clone();
-            let runner = LocalRunner::new(model, kv.new_storage());
+            let taps = Taps::default();
+            let runner = LocalRunner::new(model, TapStorage::new(kv.new_storage(), taps.clone()));
             let core = match EngineCore::with_runner(&info, &tok, &config, kv, runner) {
                 Ok(c) => c,
                 Err(e) => {
@@ -146,6 +161,7 @@ pub fn start<M: BatchModel + Send + Sync + 'static>(
                 server,
                 load: l,
                 pool: p,
+                taps,
                 next_id: 0,
                 pending: VecDeque::new(),
             }
@@ -166,11 +182,12 @@ struct Pending {
     /// The pull's payload bytes and seconds.
     bytes: usize,
     pull_s: f64,
+    first: Option<WireToken>,
     events: mpsc::UnboundedSender<WireEvent>,
 }
 
-type Core<'a, M> =
-    EngineCore<'a, PagedKv, LocalRunner<Arc<M>, p09_kv_manager::BlockStorage>, Client>;
+type Storage = TapStorage<p09_kv_manager::BlockStorage>;
+type Core<'a, M> = EngineCore<'a, PagedKv, LocalRunner<Arc<M>, Storage>, Client>;
 
 struct Thread<'a, M: BatchModel> {
     core: Core<'a, M>,
@@ -178,6 +195,8 @@ struct Thread<'a, M: BatchModel> {
     server: Option<Arc<KvServer>>,
     load: Arc<WorkerLoad>,
     pool: Arc<RecvPool>,
+    /// Streamed prefills' live transfers, by sequence (the storage's taps).
+    taps: Taps,
     next_id: SeqId,
     /// Imports that found no room yet (retried after every step).
     pending: VecDeque<Pending>,
@@ -213,6 +232,10 @@ impl<M: BatchModel> Thread<'_, M> {
             let t0 = Instant::now();
             let out = self.core.step();
             self.post(out, t0);
+            self.taps
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|_, l| !l.ended());
             self.publish_load();
             if !self.core.has_work() && !self.pending.is_empty() {
                 // Nothing runs and the imports still find no room: the pool
@@ -245,14 +268,27 @@ impl<M: BatchModel> Thread<'_, M> {
                 arrival,
                 reply,
             } => {
+                let (reply, live) = match reply {
+                    Ok(r) => (Some(r), None),
+                    Err(l) => (None, Some(l)),
+                };
                 let client = Client::Prefill {
-                    reply: Some(reply),
+                    reply,
+                    live: live.clone(),
                     arrival,
                     started: None,
                 };
-                if let Err((e, Client::Prefill { reply: Some(r), .. })) = self.submit(&prep, client)
-                {
-                    let _ = r.send(PrefillReply::Error((&e).into()));
+                match self.submit(&prep, client) {
+                    Ok(Some(id)) => {
+                        if let Some(l) = live {
+                            self.taps
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .insert(id, l);
+                        }
+                    }
+                    Ok(None) => {}
+                    Err((e, c)) => fail(c, e),
                 }
             }
             Job::Recompute { prep, skip, events } => {
@@ -266,8 +302,8 @@ impl<M: BatchModel> Thread<'_, M> {
                     events: events.clone(),
                     skip,
                 };
-                if let Err((e, _)) = self.submit(&prep, client) {
-                    let _ = events.send(WireEvent::Error((&e).into()));
+                if let Err((e, c)) = self.submit(&prep, client) {
+                    fail(c, e);
                 }
             }
             Job::Import {
@@ -276,6 +312,7 @@ impl<M: BatchModel> Thread<'_, M> {
                 meta,
                 bytes,
                 pull_s,
+                first,
                 events,
             } => {
                 let state = SeqExport {
@@ -294,15 +331,21 @@ impl<M: BatchModel> Thread<'_, M> {
                     state,
                     bytes,
                     pull_s,
+                    first,
                     events,
                 });
             }
         }
     }
 
-    /// Queue a request from its prompt; an error comes back with the client.
+    /// Queue a request from its prompt: its id (None: it finished before
+    /// it started); an error comes back with the client.
     #[allow(clippy::result_large_err)] // the client comes back to be told
-    fn submit(&mut self, prep: &WirePrepared, client: Client) -> Result<(), (EngineError, Client)> {
+    fn submit(
+        &mut self,
+        prep: &WirePrepared,
+        client: Client,
+    ) -> Result<Option<SeqId>, (EngineError, Client)> {
         let id = self.id();
         let params = prep.params();
         let req = NewRequest {
@@ -312,12 +355,12 @@ impl<M: BatchModel> Thread<'_, M> {
             choices: vec![(id, client)],
         };
         match self.core.submit(req) {
-            Ok(None) => Ok(()),
+            Ok(None) => Ok(Some(id)),
             Ok(Some(mut c)) => {
                 // Finished before it started (max_tokens 0).
                 let (_, client) = c.pop().expect("one choice");
                 finish_unstarted(client, prep.prompt.len());
-                Ok(())
+                Ok(None)
             }
             Err((e, mut c)) => {
                 let (_, client) = c.pop().expect("one choice");
@@ -343,6 +386,7 @@ impl<M: BatchModel> Thread<'_, M> {
                 state,
                 bytes,
                 pull_s,
+                first,
                 events,
             } = p;
             if events.is_closed() {
@@ -363,12 +407,16 @@ impl<M: BatchModel> Thread<'_, M> {
                         kv_bytes: bytes,
                         pull_s,
                     });
+                    if let Some(t) = first {
+                        let _ = events.send(WireEvent::Token(t));
+                    }
                 }
                 Err((HandoffError::Busy(_), _)) => self.pending.push_back(Pending {
                     prep,
                     state,
                     bytes,
                     pull_s,
+                    first,
                     events,
                 }),
                 Err((e, _)) => {
@@ -377,7 +425,7 @@ impl<M: BatchModel> Thread<'_, M> {
                     eprintln!("worker: import refused ({e}); recomputing");
                     self.intake(Job::Recompute {
                         prep,
-                        skip: state.output.len(),
+                        skip: state.output.len() - first.is_some() as usize,
                         events,
                     });
                 }
@@ -404,6 +452,18 @@ impl<M: BatchModel> Thread<'_, M> {
                 // Finished this step.
                 let finish = o.step.finish.map_or("abort", |f| f.as_str());
                 match c {
+                    Client::Prefill { live: Some(l), .. } => {
+                        // Streamed: the decode worker gets the whole answer
+                        // in the trailer and imports nothing.
+                        let meta = SeqMeta {
+                            first: token.as_ref().map(Into::into),
+                            finish: Some(finish.into()),
+                            prompt_tokens: o.prompt_tokens,
+                            completion_tokens: o.completion_tokens,
+                            ..SeqMeta::default()
+                        };
+                        l.finish(serde_json::to_vec(&meta).unwrap_or_default());
+                    }
                     Client::Prefill { reply: Some(r), .. } => {
                         let _ = r.send(PrefillReply::Finished {
                             first: token.as_ref().map(Into::into),
@@ -453,14 +513,24 @@ impl<M: BatchModel> Thread<'_, M> {
         }
     }
 
-    /// A prefill's first token is out: export, drop, hold, answer.
+    /// A prefill's first token is out: hand the sequence off (export and
+    /// hold it; or, streamed, end its live transfer with the sequence's
+    /// state), drop it here (its blocks free at once), answer.
     fn hand_off(&mut self, id: SeqId, first: Option<common::engine::TokenOut>) {
-        let exported = self.core.export(id);
+        let streamed = matches!(
+            self.core.client(id),
+            Some(Client::Prefill { live: Some(_), .. })
+        );
+        let exported = match streamed {
+            true => self.core.export_state(id),
+            false => self.core.export(id),
+        };
         let Some((_, _, client)) = self.core.abort(id) else {
             return;
         };
         let Client::Prefill {
-            reply: Some(reply),
+            reply,
+            live,
             arrival,
             started,
         } = client
@@ -468,20 +538,10 @@ impl<M: BatchModel> Thread<'_, M> {
             return;
         };
         let (Some(server), Ok(state)) = (&self.server, exported) else {
-            let _ = reply.send(PrefillReply::Error(WireError {
-                kind: "internal".into(),
-                message: "this worker cannot hold K/V for a transfer".into(),
-                param: None,
-                retry_after_s: None,
-            }));
-            return;
+            let why = "this worker cannot hold K/V for a transfer".to_string();
+            return fail_prefill(reply, live, EngineError::Internal(why));
         };
         self.load.prefilled.fetch_add(1, Ordering::SeqCst);
-        let meta = SeqMeta {
-            output: state.output.clone(),
-            sampler_seed: state.sampler.seed,
-            sampler_draws: state.sampler.draws,
-        };
         let block_size = self.core.kv().manager().block_size();
         let hashes = block_hashes(&Xxh3BlockHasher, &state.prompt, block_size, &state.salt);
         self.load
@@ -489,21 +549,35 @@ impl<M: BatchModel> Thread<'_, M> {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .extend(hashes);
+        let started = started.unwrap_or(arrival);
+        let first: WireToken = first.as_ref().map_or(
+            WireToken {
+                text: String::new(),
+                logprob: None,
+                top_logprobs: vec![],
+            },
+            Into::into,
+        );
+        let mut meta = SeqMeta {
+            output: state.output.clone(),
+            sampler_seed: state.sampler.seed,
+            sampler_draws: state.sampler.draws,
+            queue_s: (started - arrival).as_secs_f64(),
+            prefill_s: started.elapsed().as_secs_f64(),
+            ..SeqMeta::default()
+        };
+        if let Some(live) = live {
+            meta.first = Some(first);
+            return live.finish(serde_json::to_vec(&meta).unwrap_or_default());
+        }
+        let Some(reply) = reply else { return };
+        let (queue_s, prefill_s) = (meta.queue_s, meta.prefill_s);
         let hash = prompt_hash(&state.prompt);
         let tokens = state.kv.tokens;
         let meta = serde_json::to_vec(&meta).unwrap_or_default();
         let transfer_id = server.hold(state.kv, hash, meta);
-        let now = Instant::now();
-        let started = started.unwrap_or(arrival);
         let _ = reply.send(PrefillReply::Transfer {
-            first: first.as_ref().map_or(
-                crate::wire::WireToken {
-                    text: String::new(),
-                    logprob: None,
-                    top_logprobs: vec![],
-                },
-                Into::into,
-            ),
+            first,
             handle: TransferHandle {
                 kv_addr: server.addr.clone(),
                 transfer_id,
@@ -511,14 +585,31 @@ impl<M: BatchModel> Thread<'_, M> {
                 tokens,
                 lease_ms: server.lease.as_millis() as u64,
             },
-            queue_s: (started - arrival).as_secs_f64(),
-            prefill_s: (now - started).as_secs_f64(),
+            queue_s,
+            prefill_s,
         });
+    }
+}
+
+/// A prefill that cannot go on: its answer, or its live transfer, says why.
+fn fail_prefill(
+    reply: Option<oneshot::Sender<PrefillReply>>,
+    live: Option<Arc<Live>>,
+    e: EngineError,
+) {
+    if let Some(l) = live {
+        l.fail(e.to_string());
+    }
+    if let Some(r) = reply {
+        let _ = r.send(PrefillReply::Error((&e).into()));
     }
 }
 
 fn finish_unstarted(c: Client, prompt_tokens: usize) {
     match c {
+        Client::Prefill { live: Some(l), .. } => {
+            l.fail("the request finished before it started (max_tokens 0)".into())
+        }
         Client::Prefill { reply: Some(r), .. } => {
             let _ = r.send(PrefillReply::Finished {
                 first: None,
@@ -540,10 +631,7 @@ fn finish_unstarted(c: Client, prompt_tokens: usize) {
 
 fn fail(c: Client, e: EngineError) {
     match c {
-        Client::Prefill { reply: Some(r), .. } => {
-            let _ = r.send(PrefillReply::Error((&e).into()));
-        }
-        Client::Prefill { reply: None, .. } => {}
+        Client::Prefill { reply, live, .. } => fail_prefill(reply, live, e),
         Client::Stream { events, .. } => {
             let _ = events.send(WireEvent::Error((&e).into()));
         }

@@ -5,6 +5,8 @@
 //!
 //! ```text
 //! POST /prefill   WirePrepared  → PrefillReply (JSON)
+//! POST /prefill_stream WirePrepared → PrefillReply::Started (JSON) at once:
+//!                 the K/V streams while the prefill runs
 //! POST /decode    DecodeOrder   → WireEvent per line (NDJSON), first Admitted
 //! GET  /stats     counters (JSON): K/V held, sent, acknowledged, expired,
 //!                 imports, recomputes, blocks in use
@@ -85,8 +87,8 @@ pub struct WorkerArgs {
     pub pull_timeout_s: u64,
     /// Decode workers: the pull threads' nice value (0 to 19). Above 0,
     /// the model thread wins the core when both are ready: a pull's copies
-    /// wait, the running streams' steps do not.
-    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(i32).range(0..=19))]
+    /// wait, the running streams' steps do not (bench-itl measures both).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(i32).range(0..=19))]
     pub pull_nice: i32,
     /// Pin the worker to this CPU (benchmarks: one core per role).
     #[arg(long)]
@@ -252,6 +254,7 @@ pub fn run(role: Role, a: WorkerArgs) -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::from_std(control)?;
         let app = Router::new()
             .route("/prefill", post(prefill))
+            .route("/prefill_stream", post(prefill_stream))
             .route("/decode", post(decode))
             .route("/stats", get(stats))
             .route("/health", get(|| async { "ok" }))
@@ -268,7 +271,7 @@ async fn prefill(State(ctx): State<Ctx>, Json(prep): Json<WirePrepared>) -> Json
     let job = Job::Prefill {
         prep,
         arrival: Instant::now(),
-        reply: tx,
+        reply: Ok(tx),
     };
     if ctx.handle.jobs.send(job).is_err() {
         return Json(PrefillReply::Error(crate::wire::WireError {
@@ -288,6 +291,48 @@ async fn prefill(State(ctx): State<Ctx>, Json(prep): Json<WirePrepared>) -> Json
             retry_after_s: None,
         })
     }))
+}
+
+/// A prefill streamed while it runs: the handle at once (before the
+/// prefill starts), the K/V to the decode worker that pulls it, layer by
+/// layer as the forward pass writes it.
+async fn prefill_stream(
+    State(ctx): State<Ctx>,
+    Json(prep): Json<WirePrepared>,
+) -> Json<PrefillReply> {
+    let Some(server) = &ctx.server else {
+        return Json(PrefillReply::Error(crate::wire::WireError {
+            kind: "invalid_request".into(),
+            message: "this worker holds no K/V for transfers (a decode worker)".into(),
+            param: None,
+            retry_after_s: None,
+        }));
+    };
+    let hash = crate::protocol::prompt_hash(&prep.prompt);
+    let tokens = prep.prompt.len();
+    let (transfer_id, live) = server.open_live(tokens, hash);
+    let handle = crate::wire::TransferHandle {
+        kv_addr: server.addr.clone(),
+        transfer_id,
+        prompt_hash: hash,
+        tokens,
+        lease_ms: server.lease.as_millis() as u64,
+    };
+    let job = Job::Prefill {
+        prep,
+        arrival: Instant::now(),
+        reply: Err(live.clone()),
+    };
+    if ctx.handle.jobs.send(job).is_err() {
+        live.fail("the model thread has stopped".into());
+        return Json(PrefillReply::Error(crate::wire::WireError {
+            kind: "unavailable".into(),
+            message: "the model thread has stopped".into(),
+            param: None,
+            retry_after_s: None,
+        }));
+    }
+    Json(PrefillReply::Started { handle })
 }
 
 async fn decode(
@@ -393,21 +438,44 @@ fn pull_then_submit(
             .and_then(|p| {
                 let meta: SeqMeta = serde_json::from_slice(&p.meta)
                     .map_err(|e| format!("the transfer's meta: {e}"))?;
-                if meta.output.len() != already_sent {
+                // A streamed prefill's first token comes with its K/V: this
+                // worker sends it on.
+                let first = meta.first.clone().filter(|_| already_sent == 0);
+                let have = already_sent + first.is_some() as usize;
+                if meta.finish.is_none() && meta.output.len() != have {
                     return Err(format!(
                         "the transfer carries {} sampled tokens; the client has {already_sent}",
                         meta.output.len()
                     ));
                 }
-                Ok((p, meta))
+                Ok((p, meta, first))
             });
             match got {
-                Ok((p, meta)) => Some(Job::Import {
+                Ok((p, meta, first)) if meta.finish.is_some() => {
+                    // The first token ended the request: nothing to decode.
+                    let _ = events.send(WireEvent::Admitted {
+                        recomputed: false,
+                        kv_bytes: p.bytes,
+                        pull_s: p.seconds,
+                    });
+                    if let Some(t) = first {
+                        let _ = events.send(WireEvent::Token(t));
+                    }
+                    let _ = events.send(WireEvent::Done {
+                        finish: meta.finish.unwrap_or_default(),
+                        prompt_tokens: meta.prompt_tokens,
+                        completion_tokens: meta.completion_tokens,
+                    });
+                    ctx.handle.pool.give(p.kv);
+                    None
+                }
+                Ok((p, meta, first)) => Some(Job::Import {
                     prep: prepared.clone(),
                     kv: p.kv,
-                    meta,
+                    meta: Box::new(meta),
                     bytes: p.bytes,
                     pull_s: p.seconds,
+                    first,
                     events: events.clone(),
                 }),
                 Err(why) => failed(why),

@@ -4,6 +4,9 @@
 //! neighbours a sequence had change nothing), on native and f32 weights,
 //! with one and with two workers of each role. Every transfer moves
 //! exactly 2 · L · n_kv · head_dim · T · 4 bytes, and nothing stays held.
+//! The same when the K/V streams layer by layer while the prompt is
+//! prefilled (its second round hits the prefill worker's prefix cache, so
+//! the cached positions are sent from its blocks).
 
 mod support;
 
@@ -13,10 +16,14 @@ use p14_distributed::wire::LoadFailurePolicy;
 use support::*;
 
 fn check(weights: &str, prefill: usize, decode: usize) {
+    check_with(weights, prefill, decode, false)
+}
+
+fn check_with(weights: &str, prefill: usize, decode: usize, layerwise: bool) {
     let none: &[&str] = &[];
     let p = vec![none; prefill];
     let d = vec![none; decode];
-    let rig = rig(weights, 1, &p, &d, LoadFailurePolicy::Fail);
+    let rig = rig_with(weights, 1, &p, &d, LoadFailurePolicy::Fail, layerwise);
     let one = colocated(weights);
     let mut want_bytes = 0;
     // Sequential, then all at once (they share the workers' steps).
@@ -91,4 +98,9 @@ fn native_2p2d_equals_one_engine_bit_for_bit() {
 #[test]
 fn f32_1p1d_equals_one_engine_bit_for_bit() {
     check("f32", 1, 1);
+}
+
+#[test]
+fn native_1p1d_streamed_layer_by_layer_equals_one_engine_bit_for_bit() {
+    check_with("native", 1, 1, true);
 }

@@ -100,14 +100,21 @@ fn a_prefill_worker_killed_mid_transfer_loses_nothing() {
     let one = colocated("native");
     let req = request(2, PROMPTS[3], 10);
     let want = collect(&one, req.clone());
-    for policy in [LoadFailurePolicy::Recompute, LoadFailurePolicy::Fail] {
+    // Whole prompts, then one streamed while it is prefilled (the worker
+    // dies with its forward pass still running).
+    for (policy, layerwise) in [
+        (LoadFailurePolicy::Recompute, false),
+        (LoadFailurePolicy::Fail, false),
+        (LoadFailurePolicy::Recompute, true),
+    ] {
         // It exits after sending 12 of 30 layers.
-        let rig = rig(
+        let rig = rig_with(
             "native",
             1,
             &[&["--fault-die-after-layers", "12"]],
             &[&[]],
             policy,
+            layerwise,
         );
         let got = rig.run(req.clone());
         match policy {

@@ -1,9 +1,13 @@
 //! The K/V transfer protocol's encodings: a hello round-trips and each
 //! mismatch is named; layers cross exactly with only filled positions on
-//! the wire; a flipped bit, a wrong layer or transfer, a length the layout
-//! does not allow, a refusal and a truncated stream are each refused.
+//! the wire, whole or run by run as a streamed prefill sends them; a
+//! flipped bit, a run out of order, a wrong transfer, a length the layout
+//! does not allow, an early trailer, a refusal and a truncated stream are
+//! each refused.
 
 use p08_continuous::kv_transfer::{KvBuffer, KvDtype, KvLayout};
+use p14_distributed::frames::*;
+use p14_distributed::live::Live;
 use p14_distributed::protocol::*;
 
 fn layout() -> KvLayout {
@@ -68,54 +72,168 @@ fn a_hello_round_trips_and_each_mismatch_is_named() {
     ));
 }
 
+/// Read frames and the trailer of one transfer into a buffer of `tokens`.
+fn read_all(r: &mut &[u8], tokens: usize) -> Result<(KvBuffer, Vec<u8>, usize), ProtocolError> {
+    let mut dst = KvBuffer::zeros(layout(), tokens);
+    let (mut filled, mut scratch, mut bytes) = (vec![0; 3], Vec::new(), 0);
+    loop {
+        match read_next(r, 5, &mut dst, &mut filled, &mut scratch)? {
+            Next::Frame { bytes: n, .. } => bytes += n,
+            Next::Heartbeat => {}
+            Next::Trailer(meta) => return Ok((dst, meta, bytes)),
+        }
+    }
+}
+
 #[test]
 fn layers_cross_exactly_and_only_filled_positions_travel() {
     for tokens in [1, 4, 5, 11] {
         let src = buffer(tokens);
         let mut wire = Vec::new();
-        write_accept(&mut wire, Status::Ok, tokens, b"{}").unwrap();
+        write_accept(&mut wire, Status::Ok, tokens).unwrap();
         let sent = write_layers(&mut wire, 5, &src, 0..3, None).unwrap();
+        write_trailer(&mut wire, b"{}").unwrap();
         let l = layout();
         assert_eq!(sent, 2 * l.n_layer * l.n_kv_head * l.head_dim * tokens * 4);
         let mut r = &wire[..];
-        let (t, meta) = read_accept(&mut r, 64).unwrap();
-        assert_eq!((t, &meta[..]), (tokens, &b"{}"[..]));
-        let mut dst = KvBuffer::zeros(layout(), t);
-        let mut scratch = Vec::new();
-        for layer in 0..3 {
-            read_layer(&mut r, 5, layer, &mut dst, &mut scratch).unwrap();
-        }
+        assert_eq!(read_accept(&mut r, 64).unwrap(), tokens);
+        let (dst, meta, bytes) = read_all(&mut r, tokens).unwrap();
         assert!(r.is_empty());
+        assert_eq!((&meta[..], bytes), (&b"{}"[..], sent));
         assert_eq!(dst, src, "{tokens} tokens");
     }
 }
 
+/// Rows (n, n_kv_head * head_dim) of K and V of positions `p0..p1` of one
+/// layer, as a forward pass writes them.
+fn rows(b: &KvBuffer, layer: usize, p0: usize, p1: usize) -> (Vec<f32>, Vec<f32>) {
+    let l = b.layout;
+    let (mut k, mut v) = (Vec::new(), Vec::new());
+    for p in p0..p1 {
+        for h in 0..l.n_kv_head {
+            for (val, out) in [(false, &mut k), (true, &mut v)] {
+                let o = l.offset(layer, val, h, p % l.block_size);
+                out.extend_from_slice(&b.block(p / l.block_size)[o..o + l.head_dim]);
+            }
+        }
+    }
+    (k, v)
+}
+
 #[test]
-fn a_flipped_bit_a_wrong_layer_or_a_huge_length_is_refused() {
+fn a_streamed_prompt_crosses_run_by_run_with_layers_interleaved() {
+    // Chunks of 5 and 6 positions (not block-aligned), layers interleaved
+    // as a chunked prefill writes them; a recomputed run written twice.
+    let (tokens, src) = (11, buffer(11));
+    let live = Live::new(layout(), tokens);
+    let mut wire = Vec::new();
+    let mut sent = vec![0; 3];
+    let mut payload = Vec::new();
+    for (p0, p1) in [(0, 5), (5, 11)] {
+        for layer in 0..3 {
+            let (k, v) = rows(&src, layer, p0, p1);
+            live.write_rows(layer, p0, p1 - p0, &k, &v);
+            live.write_rows(layer, p0, p1 - p0, &k, &v);
+            let (runs, end) = live.next(&sent, std::time::Duration::ZERO);
+            assert_eq!((runs, end), (vec![(layer, p0, p1)], None));
+            live.with_kv(|kv| layer_payload(kv, layer, p0, p1, &mut payload));
+            let h = frame_header(5, layer, (p0, p1), &mut payload, false).unwrap();
+            wire.extend_from_slice(&h);
+            wire.extend_from_slice(&payload);
+            sent[layer] = p1;
+        }
+    }
+    write_trailer(&mut wire, b"meta").unwrap();
+    let (dst, meta, bytes) = read_all(&mut &wire[..], tokens).unwrap();
+    assert_eq!(dst, src);
+    assert_eq!(meta, b"meta");
+    let l = layout();
+    assert_eq!(bytes, 2 * l.n_layer * l.n_kv_head * l.head_dim * tokens * 4);
+    // A run that skips ahead of what is held is not taken.
+    let live = Live::new(layout(), tokens);
+    let (k, v) = rows(&src, 0, 5, 11);
+    live.write_rows(0, 5, 6, &k, &v);
+    assert_eq!(live.filled(0), 0);
+}
+
+#[test]
+fn a_run_out_of_order_or_an_early_trailer_is_refused() {
+    let src = buffer(11);
+    let mut p = Vec::new();
+    // Layer 0 from position 5 where 0 was due.
+    let mut wire = Vec::new();
+    write_frame(&mut wire, 5, &src, 0, (5, 11), false, &mut p).unwrap();
+    let e = read_all(&mut &wire[..], 11).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ProtocolError::Order {
+                layer: 0,
+                got: 5,
+                want: 0
+            }
+        ),
+        "{e}"
+    );
+    // The trailer before layer 2 is complete.
+    let mut wire = Vec::new();
+    write_layers(&mut wire, 5, &src, 0..2, None).unwrap();
+    write_trailer(&mut wire, b"{}").unwrap();
+    let e = read_all(&mut &wire[..], 11).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ProtocolError::Order {
+                layer: 2,
+                got: 0,
+                want: 11
+            }
+        ),
+        "{e}"
+    );
+    // Past the end; a layer the layout does not have.
+    let mut wire = Vec::new();
+    write_frame(&mut wire, 5, &src, 0, (0, 11), false, &mut p).unwrap();
+    let e = read_all(&mut &wire[..], 10).unwrap_err();
+    assert!(matches!(e, ProtocolError::Range { .. }), "{e}");
+    let mut wire = Vec::new();
+    write_frame(&mut wire, 5, &src, 0, (0, 11), false, &mut p).unwrap();
+    wire[4..8].copy_from_slice(&7u32.to_le_bytes());
+    let e = read_all(&mut &wire[..], 11).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ProtocolError::Range {
+                what: "frame layer",
+                ..
+            }
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_flipped_bit_a_wrong_transfer_or_a_huge_length_is_refused() {
     let src = buffer(6);
     let mut wire = Vec::new();
     write_layers(&mut wire, 5, &src, 0..3, Some(1)).unwrap();
-    let mut r = &wire[..];
     let mut dst = KvBuffer::zeros(layout(), 6);
-    let mut s = Vec::new();
-    read_layer(&mut r, 5, 0, &mut dst, &mut s).unwrap();
-    let e = read_layer(&mut r, 5, 1, &mut dst, &mut s).unwrap_err();
+    let (mut filled, mut s) = (vec![0; 3], Vec::new());
+    let mut r = &wire[..];
+    read_next(&mut r, 5, &mut dst, &mut filled, &mut s).unwrap();
+    let e = read_next(&mut r, 5, &mut dst, &mut filled, &mut s).unwrap_err();
     assert!(
         matches!(e, ProtocolError::Checksum { what: "frame", .. }),
         "{e}"
     );
-    // Layer 2 where 0 was due; another transfer's frame.
-    let mut r = &wire[..];
-    let e = read_layer(&mut r, 5, 2, &mut dst, &mut s).unwrap_err();
-    assert!(matches!(e, ProtocolError::Order { got: 0, want: 2 }), "{e}");
-    let mut r = &wire[..];
-    let e = read_layer(&mut r, 6, 0, &mut dst, &mut s).unwrap_err();
+    // Another transfer's frame.
+    let mut filled = vec![0; 3];
+    let e = read_next(&mut &wire[..], 6, &mut dst, &mut filled, &mut s).unwrap_err();
     assert!(matches!(e, ProtocolError::Transfer { .. }), "{e}");
     // A length the layout does not allow is refused before reading.
     let mut bad = wire.clone();
     bad[24..28].copy_from_slice(&u32::MAX.to_le_bytes());
-    let mut r = &bad[..];
-    let e = read_layer(&mut r, 5, 0, &mut dst, &mut s).unwrap_err();
+    let e = read_next(&mut &bad[..], 5, &mut dst, &mut filled, &mut s).unwrap_err();
     assert!(
         matches!(
             e,
@@ -128,18 +246,20 @@ fn a_flipped_bit_a_wrong_layer_or_a_huge_length_is_refused() {
     );
     // More tokens than the receiver holds; a refusal status.
     let mut wire = Vec::new();
-    write_accept(&mut wire, Status::Ok, 1000, b"").unwrap();
+    write_accept(&mut wire, Status::Ok, 1000).unwrap();
     let e = read_accept(&mut &wire[..], 64).unwrap_err();
     assert!(
         matches!(e, ProtocolError::Range { what: "tokens", .. }),
         "{e}"
     );
     let mut wire = Vec::new();
-    write_accept(&mut wire, Status::Layout, 0, b"").unwrap();
+    write_accept(&mut wire, Status::Layout, 0).unwrap();
     let e = read_accept(&mut &wire[..], 64).unwrap_err();
     assert!(matches!(e, ProtocolError::Refused(Status::Layout)), "{e}");
     // A truncated stream is an I/O error, not a hang or a panic.
     let e = read_accept(&mut &wire[..10], 64).unwrap_err();
+    assert!(matches!(e, ProtocolError::Io(_)), "{e}");
+    let e = read_all(&mut &b"P14F"[..], 6).unwrap_err();
     assert!(matches!(e, ProtocolError::Io(_)), "{e}");
 }
 
@@ -149,9 +269,15 @@ fn the_bulk_payload_equals_the_float_by_float_reference() {
         let b = buffer(tokens);
         for layer in 0..3 {
             let (mut fast, mut naive) = (Vec::new(), Vec::new());
-            layer_payload(&b, layer, 0, b.n_blocks(), &mut fast);
-            layer_payload_naive(&b, layer, 0, b.n_blocks(), &mut naive);
-            assert_eq!(fast, naive, "{tokens} tokens, layer {layer}");
+            for (p0, p1) in [
+                (0, tokens),
+                (tokens / 3, tokens),
+                (1.min(tokens - 1), tokens),
+            ] {
+                layer_payload(&b, layer, p0, p1, &mut fast);
+                layer_payload_naive(&b, layer, p0, p1, &mut naive);
+                assert_eq!(fast, naive, "{tokens} tokens, layer {layer}, {p0}..{p1}");
+            }
         }
     }
 }

@@ -99,6 +99,18 @@ pub fn rig(
     decode: &[&[&str]],
     policy: LoadFailurePolicy,
 ) -> Rig {
+    rig_with(weights, members, prefill, decode, policy, false)
+}
+
+/// [`rig`], its proxy streaming K/V layer by layer or not.
+pub fn rig_with(
+    weights: &str,
+    members: usize,
+    prefill: &[&[&str]],
+    decode: &[&[&str]],
+    policy: LoadFailurePolicy,
+    layerwise: bool,
+) -> Rig {
     static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let etcd = EtcdCluster::start(members, "127.0.0.1")
@@ -127,7 +139,7 @@ pub fn rig(
         rt.handle(),
     )
     .unwrap();
-    let proxy = Arc::new(proxy);
+    let proxy = Arc::new(proxy.layerwise(layerwise));
     let rig = Rig {
         _serial: serial,
         etcd,
