@@ -225,7 +225,7 @@ pub fn run(a: &RatiosArgs) -> Result<()> {
         ));
         rows.push(
             Row::new(
-                format!("p14 goodput at {slo}, {name}, {what}"),
+                format!("p14 goodput at {slo}, {name}, {what}, whole run"),
                 goodput,
                 "req/s",
             )
@@ -233,7 +233,7 @@ pub fn run(a: &RatiosArgs) -> Result<()> {
         );
         rows.push(
             Row::new(
-                format!("p14 requests failed, {name}, {what}"),
+                format!("p14 requests failed, {name}, {what}, whole run"),
                 *failed as f64,
                 "requests",
             )
