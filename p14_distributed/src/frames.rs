@@ -25,10 +25,10 @@
 //! Heartbeat (4 B)            magic "P14H"
 //! ```
 
-use std::io::{Read, Write};
+use std::io::{IoSlice, IoSliceMut, Read, Write};
 
 use p08_continuous::kv_transfer::{KvBuffer, KvLayout};
-use xxhash_rust::xxh3::xxh3_64;
+use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 use crate::protocol::{magic, u32_of, ProtocolError, Reader, MAX_META};
 
@@ -138,9 +138,77 @@ fn get_floats(dst: &mut [f32], bytes: &[u8]) {
     }
 }
 
+/// The payload of positions `p0..p1` of `layer` as it lies in `buf`: one
+/// slice of floats per block touched, K/V and head, in payload order.
+/// Their offsets only grow, so they can be carved out of one buffer.
+fn payload_spans(l: &KvLayout, layer: usize, p0: usize, p1: usize) -> Vec<(usize, usize)> {
+    let bf = l.block_floats();
+    let mut spans = Vec::new();
+    for (b, slot, n) in runs(l, p0, p1) {
+        for v in [false, true] {
+            for h in 0..l.n_kv_head {
+                let o = b * bf + l.offset(layer, v, h, slot);
+                spans.push((o, n * l.head_dim));
+            }
+        }
+    }
+    spans
+}
+
+/// A float slice's memory as bytes (the wire is little-endian, as this
+/// machine is: the frame paths below are for little-endian machines; the
+/// others take [`layer_payload`]'s copy).
+#[cfg(target_endian = "little")]
+fn as_bytes(xs: &[f32]) -> &[u8] {
+    // SAFETY: the view covers exactly `xs`'s memory, borrowed as long as
+    // `xs`; every byte of an f32 is initialised.
+    unsafe { std::slice::from_raw_parts(xs.as_ptr().cast::<u8>(), std::mem::size_of_val(xs)) }
+}
+
+#[cfg(target_endian = "little")]
+fn as_bytes_mut(xs: &mut [f32]) -> &mut [u8] {
+    // SAFETY: as above, exclusively borrowed; any 4 bytes are a valid f32.
+    unsafe {
+        std::slice::from_raw_parts_mut(xs.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(xs))
+    }
+}
+
+/// The most slices one vectored call takes (Linux's IOV_MAX).
+const IOV_MAX: usize = 1024;
+
+/// Fill every slice of `bufs` from `r`, vectored: the kernel copies
+/// straight into them (a `BufReader` with nothing buffered passes a large
+/// vectored read through).
+fn read_exact_vectored(r: &mut impl Read, mut bufs: &mut [IoSliceMut<'_>]) -> std::io::Result<()> {
+    while !bufs.is_empty() {
+        let k = bufs.len().min(IOV_MAX);
+        match r.read_vectored(&mut bufs[..k]) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => IoSliceMut::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn write_all_vectored(w: &mut impl Write, mut bufs: &mut [IoSlice<'_>]) -> std::io::Result<()> {
+    while !bufs.is_empty() {
+        let k = bufs.len().min(IOV_MAX);
+        match w.write_vectored(&bufs[..k]) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 /// Write a payload made by [`layer_payload`] into `buf` (the lengths were
-/// checked against the layout).
-fn fill_layer(buf: &mut KvBuffer, layer: usize, p0: usize, p1: usize, payload: &[u8]) {
+/// checked against the layout): the copying path, and the reference the
+/// vectored read is tested against.
+pub fn fill_layer(buf: &mut KvBuffer, layer: usize, p0: usize, p1: usize, payload: &[u8]) {
     let l = buf.layout;
     let mut at = 0;
     for (b, slot, n) in runs(&l, p0, p1) {
@@ -162,7 +230,7 @@ fn fill_layer(buf: &mut KvBuffer, layer: usize, p0: usize, p1: usize, payload: &
 pub fn frame_header(
     transfer_id: u64,
     layer: usize,
-    (p0, p1): (usize, usize),
+    span: (usize, usize),
     payload: &mut [u8],
     corrupt: bool,
 ) -> Result<Vec<u8>, ProtocolError> {
@@ -170,20 +238,32 @@ pub fn frame_header(
     if corrupt && !payload.is_empty() {
         payload[0] ^= 1;
     }
+    header(transfer_id, layer, span, payload.len(), sum)
+}
+
+fn header(
+    transfer_id: u64,
+    layer: usize,
+    (p0, p1): (usize, usize),
+    len: usize,
+    sum: u64,
+) -> Result<Vec<u8>, ProtocolError> {
     let mut h = Vec::with_capacity(FRAME_HEADER_LEN);
     h.extend_from_slice(FRAME_MAGIC);
     h.extend_from_slice(&u32_of(layer, "layer")?.to_le_bytes());
     h.extend_from_slice(&transfer_id.to_le_bytes());
     h.extend_from_slice(&u32_of(p0, "frame start")?.to_le_bytes());
     h.extend_from_slice(&u32_of(p1 - p0, "frame positions")?.to_le_bytes());
-    h.extend_from_slice(&u32_of(payload.len(), "frame length")?.to_le_bytes());
+    h.extend_from_slice(&u32_of(len, "frame length")?.to_le_bytes());
     h.extend_from_slice(&0u32.to_le_bytes());
     h.extend_from_slice(&sum.to_le_bytes());
     Ok(h)
 }
 
-/// Send positions `p0..p1` of `layer` of `buf` as one frame, its payload
-/// built in `payload`. Returns the payload bytes.
+/// Send positions `p0..p1` of `layer` of `buf` as one frame. Returns the
+/// payload bytes. The payload goes from `buf`'s memory to the socket in
+/// vectored writes (hashed in place first: no copy of ours); `payload`
+/// is the copy the corrupting fault, and big-endian machines, build.
 pub fn write_frame(
     w: &mut impl Write,
     transfer_id: u64,
@@ -193,6 +273,24 @@ pub fn write_frame(
     corrupt: bool,
     payload: &mut Vec<u8>,
 ) -> Result<usize, ProtocolError> {
+    #[cfg(target_endian = "little")]
+    if !corrupt {
+        let spans = payload_spans(&buf.layout, layer, span.0, span.1);
+        let parts: Vec<&[u8]> = spans
+            .iter()
+            .map(|&(o, n)| as_bytes(&buf.data[o..o + n]))
+            .collect();
+        let mut hasher = Xxh3::new();
+        for p in &parts {
+            hasher.update(p);
+        }
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        let h = header(transfer_id, layer, span, len, hasher.digest())?;
+        w.write_all(&h)?;
+        let mut io: Vec<IoSlice<'_>> = parts.iter().map(|p| IoSlice::new(p)).collect();
+        write_all_vectored(w, &mut io)?;
+        return Ok(len);
+    }
     layer_payload(buf, layer, span.0, span.1, payload);
     let h = frame_header(transfer_id, layer, span, payload, corrupt)?;
     w.write_all(&h)?;
@@ -320,9 +418,7 @@ pub fn read_next(
             max: want as u64,
         });
     }
-    scratch.resize(len, 0);
-    r.read_exact(scratch)?;
-    let got = xxh3_64(scratch);
+    let got = read_payload(r, buf, layer, (start, end), len, scratch)?;
     if got != sum {
         return Err(ProtocolError::Checksum {
             what: "frame",
@@ -330,9 +426,53 @@ pub fn read_next(
             want: got,
         });
     }
-    fill_layer(buf, layer, start, end, scratch);
     filled[layer] = end;
     Ok(Next::Frame { layer, bytes: len })
+}
+
+/// Read a frame's payload (`len` bytes, checked) into its place in `buf`;
+/// its XXH3. On a little-endian machine the kernel copies it straight into
+/// the buffer's blocks (vectored) and it is hashed there; otherwise
+/// through `scratch`. A bad checksum leaves garbage in those positions,
+/// which the caller then refuses whole.
+fn read_payload(
+    r: &mut impl Read,
+    buf: &mut KvBuffer,
+    layer: usize,
+    (p0, p1): (usize, usize),
+    len: usize,
+    scratch: &mut Vec<u8>,
+) -> Result<u64, ProtocolError> {
+    #[cfg(target_endian = "little")]
+    {
+        let spans = payload_spans(&buf.layout, layer, p0, p1);
+        debug_assert_eq!(spans.iter().map(|s| s.1 * 4).sum::<usize>(), len);
+        let mut parts: Vec<&mut [u8]> = Vec::with_capacity(spans.len());
+        let mut rest: &mut [f32] = &mut buf.data;
+        let mut at = 0;
+        for (o, n) in spans {
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(o - at);
+            let (part, tail) = tail.split_at_mut(n);
+            parts.push(as_bytes_mut(part));
+            (rest, at) = (tail, o + n);
+        }
+        let mut io: Vec<IoSliceMut<'_>> = parts.iter_mut().map(|p| IoSliceMut::new(p)).collect();
+        read_exact_vectored(r, &mut io)?;
+        let mut hasher = Xxh3::new();
+        for p in &parts {
+            hasher.update(p);
+        }
+        let _ = scratch;
+        Ok(hasher.digest())
+    }
+    #[cfg(not(target_endian = "little"))]
+    {
+        scratch.resize(len, 0);
+        r.read_exact(scratch)?;
+        let got = xxh3_64(scratch);
+        fill_layer(buf, layer, p0, p1, scratch);
+        Ok(got)
+    }
 }
 
 fn read_trailer(

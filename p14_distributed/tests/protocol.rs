@@ -281,3 +281,29 @@ fn the_bulk_payload_equals_the_float_by_float_reference() {
         }
     }
 }
+
+#[test]
+fn a_frame_read_in_place_equals_its_payload_copied_in() {
+    // The vectored read (straight into the blocks) against the copying
+    // reference, for runs that start and end inside blocks.
+    for tokens in [1, 7, 16, 23] {
+        let src = buffer(tokens);
+        for (p0, p1) in [(0, tokens), (tokens / 2, tokens), (0, tokens.div_ceil(3))] {
+            if p0 >= p1 {
+                continue;
+            }
+            let mut p = Vec::new();
+            let mut wire = Vec::new();
+            write_frame(&mut wire, 5, &src, 1, (p0, p1), false, &mut p).unwrap();
+            let mut got = KvBuffer::zeros(layout(), tokens);
+            let mut filled = vec![0, p0, 0];
+            let (mut s, mut r) = (Vec::new(), &wire[..]);
+            read_next(&mut r, 5, &mut got, &mut filled, &mut s).unwrap();
+            let mut want = KvBuffer::zeros(layout(), tokens);
+            layer_payload_naive(&src, 1, p0, p1, &mut p);
+            fill_layer(&mut want, 1, p0, p1, &p);
+            assert_eq!(got, want, "{tokens} tokens, {p0}..{p1}");
+            assert_eq!(filled[1], p1);
+        }
+    }
+}
