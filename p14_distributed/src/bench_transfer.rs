@@ -108,11 +108,23 @@ fn smollm2_layout() -> KvLayout {
     }
 }
 
-/// A buffer of `tokens` positions of varied (non-zero) floats.
+/// A buffer of `tokens` positions of varied (non-zero) floats; the last
+/// block's empty slots stay zero (they do not travel).
 fn filled(layout: KvLayout, tokens: usize) -> KvBuffer {
     let mut b = KvBuffer::zeros(layout, tokens);
     for (i, x) in b.data.iter_mut().enumerate() {
         *x = (i % 1009) as f32 * 0.001 - 0.5;
+    }
+    let (bs, last) = (layout.block_size, b.n_blocks() - 1);
+    for slot in tokens - last * bs..bs {
+        for layer in 0..layout.n_layer {
+            for v in [false, true] {
+                for h in 0..layout.n_kv_head {
+                    let o = layout.offset(layer, v, h, slot);
+                    b.block_mut(last)[o..o + layout.head_dim].fill(0.0);
+                }
+            }
+        }
     }
     b
 }

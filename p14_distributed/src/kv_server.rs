@@ -294,6 +294,20 @@ impl KvServer {
                 Some(End::Failed(why)) => {
                     return Err(ProtocolError::Io(std::io::Error::other(why)));
                 }
+                // Ended, nothing new, and a layer short: nothing more will
+                // come (not a spin): say which.
+                Some(End::Done(_)) if live.next(&sent, Duration::ZERO).0.is_empty() => {
+                    let (layer, &got) = sent
+                        .iter()
+                        .enumerate()
+                        .find(|(_, &s)| s != live.tokens)
+                        .unwrap_or((0, &0));
+                    return Err(ProtocolError::Order {
+                        layer: layer as u32,
+                        got: got as u64,
+                        want: live.tokens as u64,
+                    });
+                }
                 _ => {}
             }
         }

@@ -19,6 +19,16 @@ use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context, Result};
 
+/// A child killed and reaped when dropped (an early return leaves none).
+struct Reaped(std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Where the Python with Mooncake lives, and the script.
 #[derive(Clone, Debug)]
 pub struct Peer {
@@ -72,28 +82,28 @@ impl Peer {
             .map(usize::to_string)
             .collect::<Vec<_>>()
             .join(",");
-        let mut rx = self
-            .command(recv_ns)
-            .args([
-                "--role",
-                "receiver",
-                "--local-host",
-                recv_ip,
-                "--bytes",
-                &list,
-            ])
-            .args(["--deadline", "600"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting Mooncake's receiver")?;
-        let out = rx.stdout.take().context("receiver stdout")?;
+        let mut rx = Reaped(
+            self.command(recv_ns)
+                .args([
+                    "--role",
+                    "receiver",
+                    "--local-host",
+                    recv_ip,
+                    "--bytes",
+                    &list,
+                ])
+                .args(["--deadline", "600"])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .context("starting Mooncake's receiver")?,
+        );
+        let out = rx.0.stdout.take().context("receiver stdout")?;
         let mut lines = BufReader::new(out).lines();
         let ready = lines.next().transpose()?.unwrap_or_default();
         let f: Vec<&str> = ready.split_whitespace().collect();
         if f.len() != 4 || f[0] != "ready" {
-            let _ = rx.kill();
             bail!("Mooncake's receiver did not get ready (said {ready:?})");
         }
         let sent = self
@@ -105,8 +115,8 @@ impl Peer {
             .stderr(Stdio::null())
             .output()
             .context("running Mooncake's sender")?;
-        drop(rx.stdin.take());
-        let _ = rx.wait();
+        drop(rx.0.stdin.take());
+        let _ = rx.0.wait();
         if !sent.status.success() {
             bail!(
                 "Mooncake's sender failed ({}); run the script by hand to see why: {} {} --reps 1",

@@ -75,13 +75,28 @@ pub enum Job {
     },
 }
 
+/// A streamed prefill's live transfer, ended as failed if it is dropped
+/// before it ended (a path that forgets it, or the thread unwinding): a
+/// decode worker pulling it then hears so, instead of heartbeats forever.
+#[derive(Debug)]
+struct Streamed(Arc<Live>);
+
+impl Drop for Streamed {
+    fn drop(&mut self) {
+        if !self.0.ended() {
+            self.0
+                .fail("the prefill was dropped before its first token".into());
+        }
+    }
+}
+
 /// What the thread holds per sequence.
 #[derive(Debug)]
 enum Client {
     Prefill {
         reply: Option<oneshot::Sender<PrefillReply>>,
         /// Streamed: the transfer its layers are written into.
-        live: Option<Arc<Live>>,
+        live: Option<Streamed>,
         arrival: Instant,
         started: Option<Instant>,
     },
@@ -274,7 +289,7 @@ impl<M: BatchModel> Thread<'_, M> {
                 };
                 let client = Client::Prefill {
                     reply,
-                    live: live.clone(),
+                    live: live.clone().map(Streamed),
                     arrival,
                     started: None,
                 };
@@ -462,7 +477,7 @@ impl<M: BatchModel> Thread<'_, M> {
                             completion_tokens: o.completion_tokens,
                             ..SeqMeta::default()
                         };
-                        l.finish(serde_json::to_vec(&meta).unwrap_or_default());
+                        l.0.finish(serde_json::to_vec(&meta).unwrap_or_default());
                     }
                     Client::Prefill { reply: Some(r), .. } => {
                         let _ = r.send(PrefillReply::Finished {
@@ -568,7 +583,7 @@ impl<M: BatchModel> Thread<'_, M> {
         };
         if let Some(live) = live {
             meta.first = Some(first);
-            return live.finish(serde_json::to_vec(&meta).unwrap_or_default());
+            return live.0.finish(serde_json::to_vec(&meta).unwrap_or_default());
         }
         let Some(reply) = reply else { return };
         let (queue_s, prefill_s) = (meta.queue_s, meta.prefill_s);
@@ -594,11 +609,11 @@ impl<M: BatchModel> Thread<'_, M> {
 /// A prefill that cannot go on: its answer, or its live transfer, says why.
 fn fail_prefill(
     reply: Option<oneshot::Sender<PrefillReply>>,
-    live: Option<Arc<Live>>,
+    live: Option<Streamed>,
     e: EngineError,
 ) {
     if let Some(l) = live {
-        l.fail(e.to_string());
+        l.0.fail(e.to_string());
     }
     if let Some(r) = reply {
         let _ = r.send(PrefillReply::Error((&e).into()));
@@ -608,7 +623,7 @@ fn fail_prefill(
 fn finish_unstarted(c: Client, prompt_tokens: usize) {
     match c {
         Client::Prefill { live: Some(l), .. } => {
-            l.fail("the request finished before it started (max_tokens 0)".into())
+            l.0.fail("the request finished before it started (max_tokens 0)".into())
         }
         Client::Prefill { reply: Some(r), .. } => {
             let _ = r.send(PrefillReply::Finished {

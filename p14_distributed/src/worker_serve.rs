@@ -308,8 +308,20 @@ async fn prefill_stream(
             retry_after_s: None,
         }));
     };
-    let hash = crate::protocol::prompt_hash(&prep.prompt);
     let tokens = prep.prompt.len();
+    if tokens == 0 || tokens > ctx.capacity {
+        // Checked before the transfer's buffer is allocated.
+        return Json(PrefillReply::Error(crate::wire::WireError {
+            kind: "invalid_request".into(),
+            message: format!(
+                "a prompt of {tokens} tokens: this worker streams 1 to {} positions",
+                ctx.capacity
+            ),
+            param: Some("prompt".into()),
+            retry_after_s: None,
+        }));
+    }
+    let hash = crate::protocol::prompt_hash(&prep.prompt);
     let (transfer_id, live) = server.open_live(tokens, hash);
     let handle = crate::wire::TransferHandle {
         kv_addr: server.addr.clone(),
