@@ -78,6 +78,11 @@ impl<S: KvStorage> KvStorage for TapStorage<S> {
 }
 
 impl<St: KvStore> TapStore<St> {
+    /// `inner`, its writes also going to `live` (if any).
+    pub fn tapped(inner: St, live: Option<Arc<Live>>) -> TapStore<St> {
+        TapStore { inner, live }
+    }
+
     /// Positions `from..to` of `layer` as rows, read back from the store.
     fn backfill(&self, live: &Live, layer: usize, from: usize, to: usize) {
         let KvShape {
