@@ -298,16 +298,11 @@ fn median(v: impl Iterator<Item = f64>) -> f64 {
 }
 
 pub fn run(a: &HostsArgs) -> Result<()> {
-    let mut shapes = Vec::new();
-    for l in &a.links {
-        shapes.push(match l.trim() {
-            "loopback" => None,
-            "veth" => Some(Shape::default()),
-            m => Some(Shape::rate(m.parse().map_err(|_| {
-                anyhow::anyhow!("--links: `{m}` is not loopback, veth or a rate in Mbit/s")
-            })?)),
-        });
-    }
+    let shapes = a
+        .links
+        .iter()
+        .map(|l| Shape::parse_link(l).map_err(anyhow::Error::msg))
+        .collect::<Result<Vec<_>>>()?;
     let mut results: Vec<(String, Measured)> = Vec::new();
     if shapes.contains(&None) {
         let rig = start_rig(None)?;

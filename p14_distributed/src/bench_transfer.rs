@@ -87,16 +87,6 @@ impl Place<'_> {
     }
 }
 
-fn parse_link(s: &str) -> Result<Option<Shape>> {
-    Ok(match s.trim() {
-        "loopback" => None,
-        "veth" => Some(Shape::default()),
-        m => Some(Shape::rate(m.parse().map_err(|_| {
-            anyhow::anyhow!("--links: `{m}` is not loopback, veth or a rate in Mbit/s")
-        })?)),
-    })
-}
-
 fn smollm2_layout() -> KvLayout {
     KvLayout {
         n_layer: 30,
@@ -173,7 +163,7 @@ pub fn run(a: &TransferArgs) -> Result<()> {
     let links = a
         .links
         .iter()
-        .map(|l| parse_link(l))
+        .map(|l| Shape::parse_link(l).map_err(anyhow::Error::msg))
         .collect::<Result<Vec<_>>>()?;
     let hosts = match links.iter().any(Option::is_some) {
         true => Some(TwoHosts::new()?),

@@ -51,6 +51,18 @@ impl Shape {
         }
     }
 
+    /// A bench's `--links` entry: `loopback` (None: no hosts), `veth` (two
+    /// hosts, unshaped) or a rate in Mbit/s.
+    pub fn parse_link(s: &str) -> Result<Option<Shape>, String> {
+        Ok(match s.trim() {
+            "loopback" => None,
+            "veth" => Some(Shape::default()),
+            m => Some(Shape::rate(m.parse().map_err(|_| {
+                format!("--links: `{m}` is not loopback, veth or a rate in Mbit/s")
+            })?)),
+        })
+    }
+
     /// "10 Gbit/s", "1 Gbit/s, 50 µs", "unshaped".
     pub fn name(&self) -> String {
         let rate = match self.rate_mbit {

@@ -396,52 +396,37 @@ impl<M: BatchModel> Thread<'_, M> {
             let Some(p) = self.pending.pop_front() else {
                 break;
             };
-            let Pending {
-                prep,
-                state,
-                bytes,
-                pull_s,
-                first,
-                events,
-            } = p;
-            if events.is_closed() {
-                self.pool.give(state.kv);
+            if p.events.is_closed() {
+                self.pool.give(p.state.kv);
                 continue;
             }
             let id = self.id();
             let client = Client::Stream {
-                events: events.clone(),
+                events: p.events.clone(),
                 skip: 0,
             };
-            match self.core.import(id, &state, client) {
+            match self.core.import(id, &p.state, client) {
                 Ok(()) => {
-                    self.pool.give(state.kv);
                     self.load.imported.fetch_add(1, Ordering::SeqCst);
-                    let _ = events.send(WireEvent::Admitted {
+                    let _ = p.events.send(WireEvent::Admitted {
                         recomputed: false,
-                        kv_bytes: bytes,
-                        pull_s,
+                        kv_bytes: p.bytes,
+                        pull_s: p.pull_s,
                     });
-                    if let Some(t) = first {
-                        let _ = events.send(WireEvent::Token(t));
+                    if let Some(t) = p.first {
+                        let _ = p.events.send(WireEvent::Token(t));
                     }
+                    self.pool.give(p.state.kv);
                 }
-                Err((HandoffError::Busy(_), _)) => self.pending.push_back(Pending {
-                    prep,
-                    state,
-                    bytes,
-                    pull_s,
-                    first,
-                    events,
-                }),
+                Err((HandoffError::Busy(_), _)) => self.pending.push_back(p),
                 Err((e, _)) => {
                     // The buffer passed the handshake, so this is a bug or
                     // a sequence that cannot continue here: recompute it.
                     eprintln!("worker: import refused ({e}); recomputing");
                     self.intake(Job::Recompute {
-                        prep,
-                        skip: state.output.len() - first.is_some() as usize,
-                        events,
+                        skip: p.state.output.len() - p.first.is_some() as usize,
+                        prep: p.prep,
+                        events: p.events,
                     });
                 }
             }
