@@ -160,6 +160,8 @@ pub struct EngineCore<'a, B: KvBackend, R: ModelRunner, C = ()> {
     steps: u64,
     /// The last step's plan (kept: its buffers are reused).
     plan: StepPlan,
+    /// Imports whose K/V is allocated and still arriving ([`crate::reserved`]).
+    pub(crate) reserved: std::collections::HashMap<SeqId, crate::reserved::Reservation>,
 }
 
 /// The core with its model in this process.
@@ -223,6 +225,7 @@ impl<'a, B: KvBackend, R: ModelRunner, C> EngineCore<'a, B, R, C> {
             record_logits: false,
             steps: 0,
             plan: StepPlan::default(),
+            reserved: Default::default(),
         })
     }
 

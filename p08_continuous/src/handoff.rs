@@ -136,13 +136,13 @@ impl<B: KvBackend, R: ModelRunner, C> EngineCore<'_, B, R, C> {
         }
     }
 
-    /// Check the state, allocate its K/V and write it; the sequence and its
-    /// most positions.
-    fn admit_imported(
-        &mut self,
+    /// The sequence `state` continues, checked against this engine: its
+    /// most positions, and how many arrive computed.
+    pub(crate) fn resume_state(
+        &self,
         id: SeqId,
         state: &SeqExport,
-    ) -> Result<(Sequence, usize), HandoffError> {
+    ) -> Result<(Sequence, usize, usize), HandoffError> {
         if self.is_held(id) {
             return Err(HandoffError::Duplicate(id));
         }
@@ -161,16 +161,13 @@ impl<B: KvBackend, R: ModelRunner, C> EngineCore<'_, B, R, C> {
         if seq.is_finished() || seq.output().len() != state.output.len() {
             return Err(HandoffError::Finished(id));
         }
-        let history = seq.history();
-        let computed = history.len() - 1;
-        if state.kv.tokens != computed {
-            return Err(HandoffError::Tokens {
-                got: state.kv.tokens,
-                want: computed,
-            });
-        }
-        state.kv.check(&self.runner.layout())?;
+        let computed = seq.history().len() - 1;
         let max_len = state.prompt.len().saturating_add(state.params.max_tokens);
+        self.check_fits(id, max_len)?;
+        Ok((seq, max_len, computed))
+    }
+
+    pub(crate) fn check_fits(&self, id: SeqId, max_len: usize) -> Result<(), HandoffError> {
         let capacity = self.kv.capacity_positions();
         if max_len > capacity {
             return Err(HandoffError::TooLong {
@@ -179,6 +176,28 @@ impl<B: KvBackend, R: ModelRunner, C> EngineCore<'_, B, R, C> {
                 capacity,
             });
         }
+        Ok(())
+    }
+
+    /// Check the state, allocate its K/V and write it; the sequence and its
+    /// most positions.
+    fn admit_imported(
+        &mut self,
+        id: SeqId,
+        state: &SeqExport,
+    ) -> Result<(Sequence, usize), HandoffError> {
+        if self.reserved.contains_key(&id) {
+            return Err(HandoffError::Duplicate(id));
+        }
+        let (seq, max_len, computed) = self.resume_state(id, state)?;
+        let history = seq.history();
+        if state.kv.tokens != computed {
+            return Err(HandoffError::Tokens {
+                got: state.kv.tokens,
+                want: computed,
+            });
+        }
+        state.kv.check(&self.runner.layout())?;
         if !self.scheduler.has_running_room() {
             return Err(HandoffError::Busy(id));
         }
@@ -199,7 +218,7 @@ impl<B: KvBackend, R: ModelRunner, C> EngineCore<'_, B, R, C> {
 
     /// Storage work recorded since the last step, done now (before K/V is
     /// read or written outside a step).
-    fn flush_ops(&mut self) -> Result<(), HandoffError> {
+    pub(crate) fn flush_ops(&mut self) -> Result<(), HandoffError> {
         let mut ops = Vec::new();
         self.kv.take_ops(&mut ops);
         if !ops.is_empty() {

@@ -134,3 +134,58 @@ impl KvBuffer {
         Ok(())
     }
 }
+
+/// A sequence's blocks lent out of a paged storage, so that another thread
+/// (Project 14's pull) can fill them while the model thread runs steps on
+/// the others. Each block's memory is moved out, not shared: while it is
+/// lent the storage holds an empty slot there and refuses a step that
+/// names it, so nothing reads memory the filler is writing. Given back
+/// ([`crate::runner::KvStorage::take_back`]), the same memory returns to
+/// its slot: no copy either way.
+#[derive(Debug)]
+pub struct KvLease {
+    pub layout: KvLayout,
+    /// Positions the blocks are lent for (they cover ceil(tokens / block_size) blocks).
+    pub tokens: usize,
+    /// (block id, its floats: (n_layer, 2, n_kv_head, block_size, head_dim)), in table order.
+    pub blocks: Vec<(u32, Box<[f32]>)>,
+}
+
+/// K/V blocks a transfer's frames can land in: a [`KvBuffer`] or a
+/// [`KvLease`] (the same block layout, one memory or one per block).
+pub trait KvBlocksMut {
+    fn layout(&self) -> &KvLayout;
+    /// Positions the blocks are for.
+    fn tokens(&self) -> usize;
+    /// Every block's floats, in position order.
+    fn blocks_mut(&mut self) -> Vec<&mut [f32]>;
+}
+
+impl KvBlocksMut for KvBuffer {
+    fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    fn blocks_mut(&mut self) -> Vec<&mut [f32]> {
+        let n = self.layout.block_floats().max(1);
+        self.data.chunks_mut(n).collect()
+    }
+}
+
+impl KvBlocksMut for KvLease {
+    fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    fn blocks_mut(&mut self) -> Vec<&mut [f32]> {
+        self.blocks.iter_mut().map(|(_, b)| &mut **b).collect()
+    }
+}

@@ -6,7 +6,8 @@
 //! batched, ragged step of Project 07, and samples; the serving engine
 //! ([`engine`]) puts it behind p06's HTTP layer. The plan has a binary
 //! encoding ([`plan_codec`]) for runners in other processes, and a running
-//! sequence can move to another engine ([`handoff`], [`kv_transfer`]).
+//! sequence can move to another engine ([`handoff`], [`kv_transfer`]), its
+//! K/V landing straight in blocks reserved for it ([`reserved`]).
 //!
 //!   cargo run --release -p p08_continuous -- --model smollm2 --port 8000
 
@@ -21,6 +22,7 @@ pub mod kv_backend;
 pub mod kv_transfer;
 pub mod output;
 pub mod plan_codec;
+pub mod reserved;
 pub mod runner;
 pub mod scheduler;
 #[cfg(feature = "bench")]

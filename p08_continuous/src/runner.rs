@@ -26,7 +26,7 @@ use std::ops::Deref;
 use common::batch::{Batch, BatchError, BatchModel, KvStore};
 use thiserror::Error;
 
-use crate::kv_transfer::{KvBuffer, KvLayout};
+use crate::kv_transfer::{KvBuffer, KvLayout, KvLease};
 use crate::scheduler::SeqId;
 
 /// Index of a block in a paged K/V storage.
@@ -126,6 +126,23 @@ pub trait ModelRunner {
     /// a buffer whose layout is not this storage's.
     fn import_kv(&mut self, id: SeqId, kv: &SeqKv, buf: &KvBuffer) -> Result<(), RunnerError>;
 
+    /// Lend a sequence's blocks for its first `tokens` positions to be
+    /// filled off the model thread ([`KvStorage::lend`]). None by default:
+    /// a runner whose K/V is not in this process lends nothing.
+    fn lend_kv(
+        &mut self,
+        _id: SeqId,
+        _kv: &SeqKv,
+        _tokens: usize,
+    ) -> Result<Option<KvLease>, RunnerError> {
+        Ok(None)
+    }
+
+    /// Take lent blocks back ([`KvStorage::take_back`]).
+    fn take_back_kv(&mut self, _lease: KvLease) -> Result<(), RunnerError> {
+        Ok(())
+    }
+
     /// The runner's own metrics for `/metrics` (Project 13's: ranks, time
     /// in collectives, restarts). None by default.
     fn metrics(&self) -> Vec<crate::kv_backend::KvMetric> {
@@ -155,6 +172,25 @@ pub trait KvStorage: Send {
     /// Fill sequence `id`'s K/V (allocated as `kv`) from `buf`: it then
     /// holds `buf.tokens` positions.
     fn import(&mut self, id: SeqId, kv: &SeqKv, buf: &KvBuffer) -> Result<(), Self::Error>;
+
+    /// Lend the blocks holding sequence `id`'s first `tokens` positions
+    /// (allocated as `kv`, not in any step until they come back) to be
+    /// filled elsewhere. None: this storage lends nothing (the caller
+    /// fills a buffer and imports it instead), the default.
+    fn lend(
+        &mut self,
+        _id: SeqId,
+        _kv: &SeqKv,
+        _tokens: usize,
+    ) -> Result<Option<KvLease>, Self::Error> {
+        Ok(None)
+    }
+
+    /// Put lent blocks back in their slots, holding what was written into
+    /// them. A storage that lends nothing is never given a lease.
+    fn take_back(&mut self, _lease: KvLease) -> Result<(), Self::Error> {
+        Ok(())
+    }
 }
 
 /// The in-process runner: a model and its storage in this process. `P`
@@ -244,5 +280,18 @@ impl<P: Deref<Target: BatchModel>, S: KvStorage> ModelRunner for LocalRunner<P, 
 
     fn import_kv(&mut self, id: SeqId, kv: &SeqKv, buf: &KvBuffer) -> Result<(), RunnerError> {
         self.storage.import(id, kv, buf).map_err(storage_err)
+    }
+
+    fn lend_kv(
+        &mut self,
+        id: SeqId,
+        kv: &SeqKv,
+        tokens: usize,
+    ) -> Result<Option<KvLease>, RunnerError> {
+        self.storage.lend(id, kv, tokens).map_err(storage_err)
+    }
+
+    fn take_back_kv(&mut self, lease: KvLease) -> Result<(), RunnerError> {
+        self.storage.take_back(lease).map_err(storage_err)
     }
 }

@@ -3,13 +3,14 @@
 //! It knows no reference counts and no hashes: it copies blocks when a
 //! plan says so, lends each step's blocks to the step (written ones
 //! mutably, each to one sequence; the rest readable), and copies a
-//! sequence's blocks out and in for a hand-off.
+//! sequence's blocks out and in for a hand-off, or lends them (moves their
+//! memory out, to be filled on another thread, and back).
 //!
 //! Each block is (n_layer, 2 (K, V), n_kv_head, block_size, head_dim), so
 //! one KV head's keys for the block are contiguous (one run for the
 //! attention), and an exported buffer is the blocks one after another.
 
-use p08_continuous::kv_transfer::{KvBuffer, KvLayout, TransferError};
+use p08_continuous::kv_transfer::{KvBuffer, KvLayout, KvLease, TransferError};
 use p08_continuous::runner::{KvOp, KvStorage, PlannedSeq, SeqKv};
 use p08_continuous::scheduler::SeqId;
 
@@ -33,6 +34,16 @@ pub enum StorageError {
     NotPaged(SeqId),
     #[error("a paged storage forks and frees nothing: {0:?} belongs to contiguous storage")]
     Op(KvOp),
+    /// A step, copy or export named a block whose memory is lent out.
+    #[error("block {0} is lent out (a transfer is filling it)")]
+    Lent(BlockId),
+    /// A lease given back that this storage did not lend as it is.
+    #[error("block {block} was not lent, or comes back with {got} floats (a block holds {want})")]
+    NotLent {
+        block: BlockId,
+        got: usize,
+        want: usize,
+    },
 }
 
 impl BlockStorage {
@@ -59,9 +70,18 @@ impl BlockStorage {
         Ok(i)
     }
 
+    /// Block `id`'s slot, refused while its memory is lent out.
+    fn present(&self, id: BlockId) -> Result<usize, StorageError> {
+        let i = self.index(id)?;
+        if self.blocks[i].is_empty() {
+            return Err(StorageError::Lent(id));
+        }
+        Ok(i)
+    }
+
     /// Copy a block's K/V (copy-on-write).
-    pub fn copy(&mut self, src: BlockId, dst: BlockId) -> Result<(), PoolError> {
-        let (s, d) = (self.index(src)?, self.index(dst)?);
+    pub fn copy(&mut self, src: BlockId, dst: BlockId) -> Result<(), StorageError> {
+        let (s, d) = (self.present(src)?, self.present(dst)?);
         if s != d {
             let (lo, hi) = self.blocks.split_at_mut(s.max(d));
             let (from, to) = if s < d {
@@ -127,6 +147,9 @@ impl KvStorage for BlockStorage {
         let mut plan = Vec::with_capacity(seqs.len());
         for s in seqs {
             let t = table(s)?;
+            for &b in t {
+                self.present(b)?;
+            }
             let (len, n) = (s.start, s.tokens.len());
             let range = len / bs..(len + n).div_ceil(bs);
             if range.end > t.len() {
@@ -180,7 +203,7 @@ impl KvStorage for BlockStorage {
         }
         for (i, &b) in t[..n].iter().enumerate() {
             buf.block_mut(i)
-                .copy_from_slice(&self.blocks[self.index(b)?]);
+                .copy_from_slice(&self.blocks[self.present(b)?]);
         }
         Ok(buf)
     }
@@ -199,9 +222,148 @@ impl KvStorage for BlockStorage {
             .into());
         }
         for (i, &b) in t[..n].iter().enumerate() {
-            let at = self.index(b)?;
+            let at = self.present(b)?;
             self.blocks[at].copy_from_slice(buf.block(i));
         }
         Ok(())
+    }
+
+    /// Move the memory of the blocks for `tokens` positions out: their
+    /// slots stay empty (and refused) until [`Self::take_back`].
+    fn lend(
+        &mut self,
+        id: SeqId,
+        kv: &SeqKv,
+        tokens: usize,
+    ) -> Result<Option<KvLease>, StorageError> {
+        let SeqKv::Blocks(t) = kv else {
+            return Err(StorageError::NotPaged(id));
+        };
+        let n = tokens.div_ceil(self.layout.block_size.max(1));
+        if n > t.len() {
+            return Err(TransferError::NoRoom {
+                tokens,
+                room: t.len() * self.layout.block_size,
+            }
+            .into());
+        }
+        // Checked whole before any slot is emptied: a refusal moves nothing.
+        let mut at = Vec::with_capacity(n);
+        for (k, &b) in t[..n].iter().enumerate() {
+            let i = self.present(b)?;
+            if t[..k].contains(&b) {
+                return Err(StorageError::Lent(b));
+            }
+            at.push((b, i));
+        }
+        let blocks = at
+            .into_iter()
+            .map(|(b, i)| (b, std::mem::take(&mut self.blocks[i])))
+            .collect();
+        Ok(Some(KvLease {
+            layout: self.layout,
+            tokens,
+            blocks,
+        }))
+    }
+
+    fn take_back(&mut self, lease: KvLease) -> Result<(), StorageError> {
+        if lease.layout != self.layout {
+            return Err(TransferError::Layout {
+                got: lease.layout,
+                want: self.layout,
+            }
+            .into());
+        }
+        let want = self.layout.block_floats();
+        for (k, (b, mem)) in lease.blocks.iter().enumerate() {
+            let i = self.index(*b)?;
+            let twice = lease.blocks[..k].iter().any(|(o, _)| o == b);
+            if twice || !self.blocks[i].is_empty() || mem.len() != want {
+                return Err(StorageError::NotLent {
+                    block: *b,
+                    got: mem.len(),
+                    want,
+                });
+            }
+        }
+        for (b, mem) in lease.blocks {
+            self.blocks[b as usize] = mem;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use p08_continuous::kv_transfer::KvDtype;
+
+    fn storage() -> BlockStorage {
+        let layout = KvLayout {
+            n_layer: 2,
+            n_kv_head: 1,
+            head_start: 0,
+            head_dim: 2,
+            block_size: 2,
+            dtype: KvDtype::F32,
+        };
+        BlockStorage::new(layout, 4)
+    }
+
+    fn planned(id: SeqId, table: Vec<BlockId>, start: usize) -> PlannedSeq {
+        PlannedSeq {
+            id,
+            start,
+            tokens: vec![0],
+            kv: SeqKv::Blocks(table),
+            logits: true,
+        }
+    }
+
+    #[test]
+    fn lent_blocks_are_refused_until_they_come_back_holding_what_was_written() {
+        let mut s = storage();
+        let kv = SeqKv::Blocks(vec![2, 0]);
+        let mut lease = s.lend(1, &kv, 3).unwrap().unwrap();
+        assert_eq!(lease.blocks.iter().map(|b| b.0).collect::<Vec<_>>(), [2, 0]);
+        // Nothing names a lent block: a step, a copy, an export, a second lend.
+        let step = s.stores(&[planned(5, vec![1, 2], 3)]).map(|v| v.len());
+        assert_eq!(step, Err(StorageError::Lent(2)));
+        assert_eq!(s.copy(0, 3), Err(StorageError::Lent(0)));
+        assert!(matches!(s.export(1, &kv, 3), Err(StorageError::Lent(2))));
+        assert!(matches!(s.lend(1, &kv, 1), Err(StorageError::Lent(2))));
+        // A block not lent still steps.
+        assert!(s.stores(&[planned(6, vec![3], 0)]).is_ok());
+        for (i, (_, mem)) in lease.blocks.iter_mut().enumerate() {
+            mem.fill(i as f32 + 1.0);
+        }
+        s.take_back(lease).unwrap();
+        let back = s.export(1, &kv, 3).unwrap();
+        assert!(back.block(0).iter().all(|&x| x == 1.0));
+        assert!(back.block(1).iter().all(|&x| x == 2.0));
+        // Home again: a second return of the same blocks is refused.
+        let twice = KvLease {
+            layout: s.layout(),
+            tokens: 1,
+            blocks: vec![(2, vec![0.0; s.layout().block_floats()].into_boxed_slice())],
+        };
+        assert!(matches!(
+            s.take_back(twice),
+            Err(StorageError::NotLent { block: 2, .. })
+        ));
+    }
+
+    #[test]
+    fn a_lend_that_does_not_fit_moves_nothing() {
+        let mut s = storage();
+        let short = SeqKv::Blocks(vec![1]);
+        assert!(matches!(
+            s.lend(1, &short, 3),
+            Err(StorageError::Transfer(TransferError::NoRoom { .. }))
+        ));
+        let twice = SeqKv::Blocks(vec![1, 1]);
+        assert_eq!(s.lend(1, &twice, 3).map(|_| ()), Err(StorageError::Lent(1)));
+        assert!(s.stores(&[planned(2, vec![1], 0)]).is_ok());
     }
 }

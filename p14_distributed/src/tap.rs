@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use common::batch::{KvRunFn, KvShape, KvStore};
-use p08_continuous::kv_transfer::{KvBuffer, KvLayout};
+use p08_continuous::kv_transfer::{KvBuffer, KvLayout, KvLease};
 use p08_continuous::runner::{KvOp, KvStorage, PlannedSeq, SeqKv};
 use p08_continuous::scheduler::SeqId;
 
@@ -74,6 +74,14 @@ impl<S: KvStorage> KvStorage for TapStorage<S> {
 
     fn import(&mut self, id: SeqId, kv: &SeqKv, buf: &KvBuffer) -> Result<(), S::Error> {
         self.inner.import(id, kv, buf)
+    }
+
+    fn lend(&mut self, id: SeqId, kv: &SeqKv, tokens: usize) -> Result<Option<KvLease>, S::Error> {
+        self.inner.lend(id, kv, tokens)
+    }
+
+    fn take_back(&mut self, lease: KvLease) -> Result<(), S::Error> {
+        self.inner.take_back(lease)
     }
 }
 
