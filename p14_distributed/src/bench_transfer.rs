@@ -287,25 +287,19 @@ fn measure(
                 tokens: t,
                 lease_ms: 30_000,
             };
+            // Kept memory, as a decode worker's blocks are.
+            let mut got = pool.take(layout, t);
             let pulled = place.on(Host::Decode, || {
-                Ok(kv_client::pull(
-                    &h,
-                    layout,
-                    1,
-                    t,
-                    Duration::from_secs(60),
-                    &pool,
-                )?)
+                Ok(kv_client::pull(&h, &mut got, 1, Duration::from_secs(60))?)
             })?;
-            anyhow::ensure!(pulled.kv == kv, "the pulled K/V differs from the sent");
-            // Kept for the next pull, as a decode worker keeps its buffers.
+            anyhow::ensure!(got == kv, "the pulled K/V differs from the sent");
             anyhow::ensure!(
                 pulled.bytes as f64 == bytes,
                 "payload {} B, want {bytes}",
                 pulled.bytes
             );
             let ceil = place.on(Host::Prefill, || tcp_once(&sink, &payload))?;
-            pool.give(pulled.kv);
+            pool.give(got);
             if rep > 0 {
                 p.push(pulled.seconds);
                 c.push(ceil);

@@ -27,7 +27,7 @@
 
 use std::io::{IoSlice, IoSliceMut, Read, Write};
 
-use p08_continuous::kv_transfer::{KvBuffer, KvLayout};
+use p08_continuous::kv_transfer::{KvBlocksMut, KvBuffer, KvLayout};
 use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 use crate::protocol::{magic, u32_of, ProtocolError, Reader, MAX_META};
@@ -138,17 +138,16 @@ fn get_floats(dst: &mut [f32], bytes: &[u8]) {
     }
 }
 
-/// The payload of positions `p0..p1` of `layer` as it lies in `buf`: one
-/// slice of floats per block touched, K/V and head, in payload order.
-/// Their offsets only grow, so they can be carved out of one buffer.
-fn payload_spans(l: &KvLayout, layer: usize, p0: usize, p1: usize) -> Vec<(usize, usize)> {
-    let bf = l.block_floats();
+/// The payload of positions `p0..p1` of `layer` as it lies in blocks:
+/// (block, offset in the block, floats), one per block touched, K/V and
+/// head, in payload order. Blocks only grow, and offsets within a block
+/// only grow, so they can be carved out of the blocks in one pass.
+fn payload_spans(l: &KvLayout, layer: usize, p0: usize, p1: usize) -> Vec<(usize, usize, usize)> {
     let mut spans = Vec::new();
     for (b, slot, n) in runs(l, p0, p1) {
         for v in [false, true] {
             for h in 0..l.n_kv_head {
-                let o = b * bf + l.offset(layer, v, h, slot);
-                spans.push((o, n * l.head_dim));
+                spans.push((b, l.offset(layer, v, h, slot), n * l.head_dim));
             }
         }
     }
@@ -208,11 +207,12 @@ fn write_all_vectored(w: &mut impl Write, mut bufs: &mut [IoSlice<'_>]) -> std::
 /// Write a payload made by [`layer_payload`] into `buf` (the lengths were
 /// checked against the layout): the copying path, and the reference the
 /// vectored read is tested against.
-pub fn fill_layer(buf: &mut KvBuffer, layer: usize, p0: usize, p1: usize, payload: &[u8]) {
-    let l = buf.layout;
+pub fn fill_layer(buf: &mut impl KvBlocksMut, layer: usize, p0: usize, p1: usize, payload: &[u8]) {
+    let l = *buf.layout();
+    let mut blocks = buf.blocks_mut();
     let mut at = 0;
     for (b, slot, n) in runs(&l, p0, p1) {
-        let block = buf.block_mut(b);
+        let block = &mut *blocks[b];
         for v in [false, true] {
             for h in 0..l.n_kv_head {
                 let o = l.offset(layer, v, h, slot);
@@ -278,7 +278,7 @@ pub fn write_frame(
         let spans = payload_spans(&buf.layout, layer, span.0, span.1);
         let parts: Vec<&[u8]> = spans
             .iter()
-            .map(|&(o, n)| as_bytes(&buf.data[o..o + n]))
+            .map(|&(b, o, n)| as_bytes(&buf.block(b)[o..o + n]))
             .collect();
         let mut hasher = Xxh3::new();
         for p in &parts {
@@ -349,14 +349,14 @@ pub fn write_heartbeat(w: &mut impl Write) -> std::io::Result<()> {
 pub fn read_next(
     r: &mut impl Read,
     transfer_id: u64,
-    buf: &mut KvBuffer,
+    buf: &mut impl KvBlocksMut,
     filled: &mut [usize],
     scratch: &mut Vec<u8>,
 ) -> Result<Next, ProtocolError> {
     let mut m = [0u8; 4];
     r.read_exact(&mut m)?;
     if &m == TRAILER_MAGIC {
-        return read_trailer(r, buf.tokens, filled).map(Next::Trailer);
+        return read_trailer(r, buf.tokens(), filled).map(Next::Trailer);
     }
     if &m == HEARTBEAT_MAGIC {
         return Ok(Next::Heartbeat);
@@ -378,7 +378,8 @@ pub fn read_next(
             want: transfer_id,
         });
     }
-    let n_layer = buf.layout.n_layer;
+    let (layout, tokens) = (*buf.layout(), buf.tokens());
+    let n_layer = layout.n_layer;
     let Some(done) = filled.get(layer).copied() else {
         return Err(ProtocolError::Range {
             what: "frame layer",
@@ -395,15 +396,15 @@ pub fn read_next(
     }
     let end = start
         .checked_add(count)
-        .filter(|&e| count > 0 && e <= buf.tokens);
+        .filter(|&e| count > 0 && e <= tokens);
     let Some(end) = end else {
         return Err(ProtocolError::Range {
             what: "frame positions end",
             got: start as u64 + count as u64,
-            max: buf.tokens as u64,
+            max: tokens as u64,
         });
     };
-    let want = frame_floats(&buf.layout, count)
+    let want = frame_floats(&layout, count)
         .and_then(|f| f.checked_mul(4))
         .filter(|&n| n <= MAX_FRAME)
         .ok_or(ProtocolError::Range {
@@ -432,12 +433,12 @@ pub fn read_next(
 
 /// Read a frame's payload (`len` bytes, checked) into its place in `buf`;
 /// its XXH3. On a little-endian machine the kernel copies it straight into
-/// the buffer's blocks (vectored) and it is hashed there; otherwise
-/// through `scratch`. A bad checksum leaves garbage in those positions,
-/// which the caller then refuses whole.
+/// the blocks (vectored) and it is hashed there; otherwise through
+/// `scratch`. A bad checksum leaves garbage in those positions, which the
+/// caller then refuses whole.
 fn read_payload(
     r: &mut impl Read,
-    buf: &mut KvBuffer,
+    buf: &mut impl KvBlocksMut,
     layer: usize,
     (p0, p1): (usize, usize),
     len: usize,
@@ -445,16 +446,38 @@ fn read_payload(
 ) -> Result<u64, ProtocolError> {
     #[cfg(target_endian = "little")]
     {
-        let spans = payload_spans(&buf.layout, layer, p0, p1);
-        debug_assert_eq!(spans.iter().map(|s| s.1 * 4).sum::<usize>(), len);
+        let spans_layout = *buf.layout();
+        let spans = payload_spans(&spans_layout, layer, p0, p1);
+        debug_assert_eq!(spans.iter().map(|s| s.2 * 4).sum::<usize>(), len);
+        let mut blocks = buf.blocks_mut();
+        let n_blocks = blocks.len() as u64;
+        let buf_floats = spans_layout.block_floats();
         let mut parts: Vec<&mut [u8]> = Vec::with_capacity(spans.len());
-        let mut rest: &mut [f32] = &mut buf.data;
-        let mut at = 0;
-        for (o, n) in spans {
-            let (_, tail) = std::mem::take(&mut rest).split_at_mut(o - at);
+        // (block, what is left of it, where that starts)
+        let mut cur: Option<(usize, &mut [f32], usize)> = None;
+        for (b, o, n) in spans {
+            let (rest, at) = match cur.take() {
+                Some((cb, rest, at)) if cb == b => (rest, at),
+                _ => {
+                    let bf = buf_floats;
+                    let blk = blocks
+                        .get_mut(b)
+                        .map(std::mem::take)
+                        .filter(|x| x.len() == bf);
+                    (
+                        blk.ok_or(ProtocolError::Range {
+                            what: "frame block (the receiver's whole blocks)",
+                            got: b as u64,
+                            max: n_blocks.saturating_sub(1),
+                        })?,
+                        0,
+                    )
+                }
+            };
+            let (_, tail) = rest.split_at_mut(o - at);
             let (part, tail) = tail.split_at_mut(n);
             parts.push(as_bytes_mut(part));
-            (rest, at) = (tail, o + n);
+            cur = Some((b, tail, o + n));
         }
         let mut io: Vec<IoSliceMut<'_>> = parts.iter_mut().map(|p| IoSliceMut::new(p)).collect();
         read_exact_vectored(r, &mut io)?;

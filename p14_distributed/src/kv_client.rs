@@ -1,28 +1,29 @@
 //! The decode worker's side of a transfer: connect to the prefill
-//! worker's K/V server, say what it holds (the hello), size the buffer
-//! from the accept before any frame arrives, read and check every layer,
-//! acknowledge. Runs on a thread of its own (never the model thread);
-//! every wait has the deadline it is given.
+//! worker's K/V server, say what it holds (the hello), check the accept's
+//! length against the blocks allocated beforehand, read and check every
+//! layer into them, acknowledge. Runs on a thread of its own (never the
+//! model thread); every wait has the deadline it is given.
 //!
-//! Frames land in a buffer allocated beforehand: a [`RecvPool`] keeps a
-//! few that were used already, so their pages are mapped. A fresh 45 MiB
-//! buffer (1,024 positions of SmolLM2) costs about 18 ms of page faults
-//! on first touch here, more than the copy itself (7 ms).
+//! Frames land in the decode worker's own blocks, lent to the pull by its
+//! storage (a [`KvLease`](p08_continuous::kv_transfer::KvLease)), or,
+//! when no blocks are free yet, in a buffer the sequence is imported from
+//! later: a [`RecvPool`] keeps a few that were used already, so their
+//! pages are mapped (a fresh 45 MiB buffer, 1,024 positions of SmolLM2,
+//! costs about 18 ms of page faults on first touch here).
 
 use std::io::{BufReader, BufWriter, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-use p08_continuous::kv_transfer::{KvBuffer, KvLayout};
+use p08_continuous::kv_transfer::{KvBlocksMut, KvBuffer, KvLayout};
 
 use crate::frames::{self, Next};
 use crate::protocol::{self, Hello, ProtocolError, Status, VERSION};
 use crate::wire::TransferHandle;
 
-/// A pulled transfer.
+/// A pulled transfer (its K/V is in the blocks it was pulled into).
 #[derive(Debug)]
 pub struct Pulled {
-    pub kv: KvBuffer,
     pub meta: Vec<u8>,
     /// Payload bytes read.
     pub bytes: usize,
@@ -83,18 +84,17 @@ impl RecvPool {
     }
 }
 
-/// Pull `handle`'s K/V into a buffer of `layout` (from `pool`), refusing
-/// more than `max_tokens` positions; gives up after `timeout` without
-/// progress.
+/// Pull `handle`'s K/V into `dest`, blocks allocated beforehand for
+/// exactly its positions in this worker's layout; gives up after
+/// `timeout` without progress.
 pub fn pull(
     handle: &TransferHandle,
-    layout: KvLayout,
+    dest: &mut impl KvBlocksMut,
     model_id: u64,
-    max_tokens: usize,
     timeout: Duration,
-    pool: &RecvPool,
 ) -> Result<Pulled, ProtocolError> {
     let t0 = Instant::now();
+    let (layout, room) = (*dest.layout(), dest.tokens());
     let addr = resolve(&handle.kv_addr)?;
     let conn = TcpStream::connect_timeout(&addr, timeout)?;
     conn.set_nodelay(true)?;
@@ -111,29 +111,21 @@ pub fn pull(
     };
     w.write_all(&hello.encode()?)?;
     w.flush()?;
-    let tokens = protocol::read_accept(&mut r, max_tokens)?;
-    if tokens != handle.tokens {
+    let tokens = protocol::read_accept(&mut r, room)?;
+    if tokens != handle.tokens || tokens != room {
         return Err(ProtocolError::Range {
-            what: "tokens (against the prefill's reply)",
+            what: "tokens (against the prefill's reply and the blocks allocated)",
             got: tokens as u64,
-            max: handle.tokens as u64,
+            max: handle.tokens.min(room) as u64,
         });
     }
-    // Allocated before the first frame (a kept buffer if the pool has one).
-    let mut kv = pool.take(layout, tokens);
     let mut scratch = Vec::new();
     let mut filled = vec![0usize; layout.n_layer];
     let mut bytes = 0;
     // Frames until the trailer; a prefill still running sends heartbeats
     // while it has nothing new, so the deadline counts from the last word.
     let meta = loop {
-        match frames::read_next(
-            &mut r,
-            handle.transfer_id,
-            &mut kv,
-            &mut filled,
-            &mut scratch,
-        ) {
+        match frames::read_next(&mut r, handle.transfer_id, dest, &mut filled, &mut scratch) {
             Ok(Next::Frame { bytes: n, .. }) => bytes += n,
             Ok(Next::Heartbeat) => {}
             Ok(Next::Trailer(meta)) => break meta,
@@ -149,7 +141,6 @@ pub fn pull(
     protocol::write_ack(&mut w, handle.transfer_id, Status::Ok)?;
     w.flush()?;
     Ok(Pulled {
-        kv,
         meta,
         bytes,
         seconds: t0.elapsed().as_secs_f64(),

@@ -9,14 +9,15 @@
 //!   it is computed: the storage's tap writes each layer's new positions
 //!   into a live transfer the decode worker is already pulling; the first
 //!   token and sampler state follow in the transfer's trailer.
-//! - **Import**: admit a pulled sequence as running with its prompt
-//!   computed ([`EngineCore::import`]) and stream the rest of its tokens.
+//! - **Import**: lend blocks to a pull, take them back filled, admit the
+//!   sequence as running with its prompt computed and stream the rest of
+//!   its tokens ([`import`]).
 //! - **Recompute**: the load failed (the policy says recompute): run the
 //!   request from its prompt here, not streaming again the tokens the
 //!   client already has.
 //!
-//! The thread never reads a socket: pulls happen on their own threads and
-//! arrive here as finished buffers.
+//! The thread never reads a socket: pulls happen on their own threads,
+//! into blocks this thread lent them, and come back finished.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -27,12 +28,10 @@ use std::time::Instant;
 use common::batch::BatchModel;
 use common::engine::{EngineError, EngineEvent};
 use p04_transformer::Tokenizer;
-use p05_kv_cache::sampling::SamplerState;
 use p06_server::serial::{engine_error, token_out};
 use p08_continuous::core::AddError;
-use p08_continuous::handoff::{HandoffError, SeqExport};
 use p08_continuous::kv_backend::KvBackend;
-use p08_continuous::kv_transfer::KvBuffer;
+use p08_continuous::kv_transfer::KvLease;
 use p08_continuous::output::StepOutput;
 use p08_continuous::scheduler::SeqId;
 use p08_continuous::{ContinuousConfig, EngineCore, LocalRunner, NewRequest};
@@ -47,6 +46,9 @@ use crate::protocol::prompt_hash;
 use crate::tap::{TapStorage, Taps};
 use crate::wire::{PrefillReply, SeqMeta, TransferHandle, WireEvent, WirePrepared, WireToken};
 
+mod import;
+pub use import::{Landed, Reserved};
+
 /// Work for the model thread.
 #[derive(Debug)]
 pub enum Job {
@@ -57,9 +59,19 @@ pub enum Job {
         /// streamed one, whose handle was answered already).
         reply: Result<oneshot::Sender<PrefillReply>, Arc<Live>>,
     },
+    /// Allocate blocks for an import's `prompt` positions and lend them
+    /// to the pull thread asking (None: none free now, or none to lend).
+    Reserve {
+        prompt: Vec<u32>,
+        max_len: usize,
+        reply: std_mpsc::SyncSender<Option<(SeqId, KvLease)>>,
+    },
+    /// A reservation whose pull failed, or that has nothing to decode: its
+    /// blocks come home and free.
+    Release { id: SeqId, lease: KvLease },
     Import {
         prep: WirePrepared,
-        kv: KvBuffer,
+        kv: Landed,
         meta: Box<SeqMeta>,
         /// Payload bytes the pull read, and its seconds.
         bytes: usize,
@@ -126,6 +138,8 @@ pub struct WorkerLoad {
     pub kv_used_blocks: AtomicUsize,
     pub kv_total_blocks: AtomicUsize,
     pub imported: AtomicU64,
+    /// Of those, pulled straight into their reserved blocks.
+    pub imported_in_blocks: AtomicU64,
     pub recomputed: AtomicU64,
     pub prefilled: AtomicU64,
     /// Block hashes cached by prefills since the last K/V event.
@@ -189,18 +203,6 @@ pub fn start<M: BatchModel + Send + Sync + 'static>(
     })
 }
 
-/// A pulled sequence waiting for room to be imported.
-#[derive(Debug)]
-struct Pending {
-    prep: WirePrepared,
-    state: SeqExport,
-    /// The pull's payload bytes and seconds.
-    bytes: usize,
-    pull_s: f64,
-    first: Option<WireToken>,
-    events: mpsc::UnboundedSender<WireEvent>,
-}
-
 type Storage = TapStorage<p09_kv_manager::BlockStorage>;
 type Core<'a, M> = EngineCore<'a, PagedKv, LocalRunner<Arc<M>, Storage>, Client>;
 
@@ -214,7 +216,7 @@ struct Thread<'a, M: BatchModel> {
     taps: Taps,
     next_id: SeqId,
     /// Imports that found no room yet (retried after every step).
-    pending: VecDeque<Pending>,
+    pending: VecDeque<import::Pending>,
 }
 
 impl<M: BatchModel> Thread<'_, M> {
@@ -321,35 +323,13 @@ impl<M: BatchModel> Thread<'_, M> {
                     fail(c, e);
                 }
             }
-            Job::Import {
-                prep,
-                kv,
-                meta,
-                bytes,
-                pull_s,
-                first,
-                events,
-            } => {
-                let state = SeqExport {
-                    prompt: prep.prompt.clone(),
-                    output: meta.output,
-                    params: prep.params(),
-                    sampler: SamplerState {
-                        seed: meta.sampler_seed,
-                        draws: meta.sampler_draws,
-                    },
-                    salt: prep.salt.clone(),
-                    kv,
-                };
-                self.pending.push_back(Pending {
-                    prep,
-                    state,
-                    bytes,
-                    pull_s,
-                    first,
-                    events,
-                });
-            }
+            Job::Reserve {
+                prompt,
+                max_len,
+                reply,
+            } => self.reserve(&prompt, max_len, reply),
+            Job::Release { id, lease } => self.release(id, Some(lease)),
+            job @ Job::Import { .. } => self.land(job),
         }
     }
 
@@ -387,48 +367,6 @@ impl<M: BatchModel> Thread<'_, M> {
                     },
                 };
                 Err((err, client))
-            }
-        }
-    }
-
-    fn retry_pending(&mut self) {
-        for _ in 0..self.pending.len() {
-            let Some(p) = self.pending.pop_front() else {
-                break;
-            };
-            if p.events.is_closed() {
-                self.pool.give(p.state.kv);
-                continue;
-            }
-            let id = self.id();
-            let client = Client::Stream {
-                events: p.events.clone(),
-                skip: 0,
-            };
-            match self.core.import(id, &p.state, client) {
-                Ok(()) => {
-                    self.load.imported.fetch_add(1, Ordering::SeqCst);
-                    let _ = p.events.send(WireEvent::Admitted {
-                        recomputed: false,
-                        kv_bytes: p.bytes,
-                        pull_s: p.pull_s,
-                    });
-                    if let Some(t) = p.first {
-                        let _ = p.events.send(WireEvent::Token(t));
-                    }
-                    self.pool.give(p.state.kv);
-                }
-                Err((HandoffError::Busy(_), _)) => self.pending.push_back(p),
-                Err((e, _)) => {
-                    // The buffer passed the handshake, so this is a bug or
-                    // a sequence that cannot continue here: recompute it.
-                    eprintln!("worker: import refused ({e}); recomputing");
-                    self.intake(Job::Recompute {
-                        skip: p.state.output.len() - p.first.is_some() as usize,
-                        prep: p.prep,
-                        events: p.events,
-                    });
-                }
             }
         }
     }

@@ -39,7 +39,7 @@ use crate::kv_client;
 use crate::kv_server::{Faults, KvServer};
 use crate::registry::{self, Role, WorkerRecord};
 use crate::wire::{DecodeOrder, LoadFailurePolicy, PrefillReply, SeqMeta, WireEvent, WirePrepared};
-use crate::worker::{self, Job, WorkerHandle};
+use crate::worker::{self, Job, Landed, Reserved, WorkerHandle};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Weights {
@@ -90,6 +90,12 @@ pub struct WorkerArgs {
     /// wait, the running streams' steps do not (bench-itl measures both).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(i32).range(0..=19))]
     pub pull_nice: i32,
+    /// Decode workers: where a pull's frames land: `blocks`, the worker's
+    /// own K/V blocks reserved before the pull (a kept buffer when none
+    /// are free then), or always `buffer`, copied into blocks on the model
+    /// thread at the import (the reference path; bench-itl compares both).
+    #[arg(long, value_enum, default_value_t = LandIn::Blocks)]
+    pub land_in: LandIn,
     /// Pin the worker to this CPU (benchmarks: one core per role).
     #[arg(long)]
     pub cpu: Option<usize>,
@@ -135,6 +141,7 @@ struct Ctx {
     capacity: usize,
     pull_timeout: Duration,
     pull_nice: i32,
+    land_in: LandIn,
 }
 
 fn load(path: &Path, weights: Weights) -> anyhow::Result<p05_kv_cache::load::LoadedEngine> {
@@ -239,6 +246,7 @@ pub fn run(role: Role, a: WorkerArgs) -> anyhow::Result<()> {
         capacity,
         pull_timeout: Duration::from_secs(a.pull_timeout_s),
         pull_nice: a.pull_nice,
+        land_in: a.land_in,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -382,6 +390,30 @@ fn tokio_stream_lines(
     .boxed()
 }
 
+/// Where a decode worker's pulls land.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LandIn {
+    Blocks,
+    Buffer,
+}
+
+/// What a pull fills.
+enum Dest {
+    Blocks(Reserved),
+    Buffer(p08_continuous::kv_transfer::KvBuffer),
+}
+
+impl Dest {
+    /// Unused: lent blocks go home and free (the reservation's drop), a
+    /// buffer is kept for the next pull.
+    fn give_back(self, pool: &kv_client::RecvPool) {
+        match self {
+            Dest::Blocks(r) => drop(r),
+            Dest::Buffer(b) => pool.give(b),
+        }
+    }
+}
+
 fn pull_then_submit(
     ctx: &Ctx,
     order: DecodeOrder,
@@ -436,18 +468,38 @@ fn pull_then_submit(
             skip: already_sent,
             events: events.clone(),
         }),
+        Some(h)
+            if h.tokens == 0 || h.tokens != prepared.prompt.len() || h.tokens > ctx.capacity =>
+        {
+            failed(format!(
+                "the transfer holds {} positions for a prompt of {}; this worker takes 1 to {}",
+                h.tokens,
+                prepared.prompt.len(),
+                ctx.capacity
+            ))
+        }
         Some(h) => {
-            let pool = &ctx.handle.pool;
-            let got = kv_client::pull(
-                &h,
-                ctx.layout,
-                ctx.model_id,
-                ctx.capacity,
-                ctx.pull_timeout,
-                pool,
-            )
-            .map_err(|e| e.to_string())
-            .and_then(|p| {
+            // The blocks first: this worker's own, lent by its model thread
+            // (a kept buffer when none are free now); then the bytes.
+            let max_len = prepared.prompt.len().saturating_add(prepared.max_tokens);
+            let reserved = match ctx.land_in {
+                LandIn::Blocks => Reserved::ask(jobs, &prepared.prompt, max_len, ctx.pull_timeout),
+                LandIn::Buffer => None,
+            };
+            let mut dest = match reserved {
+                Some(r) => Dest::Blocks(r),
+                None => Dest::Buffer(ctx.handle.pool.take(ctx.layout, h.tokens)),
+            };
+            let pulled = match &mut dest {
+                Dest::Blocks(r) => match r.lease_mut() {
+                    Some(lease) => kv_client::pull(&h, lease, ctx.model_id, ctx.pull_timeout),
+                    None => Err(crate::protocol::ProtocolError::Io(std::io::Error::other(
+                        "the reserved blocks are gone",
+                    ))),
+                },
+                Dest::Buffer(buf) => kv_client::pull(&h, buf, ctx.model_id, ctx.pull_timeout),
+            };
+            let got = pulled.map_err(|e| e.to_string()).and_then(|p| {
                 let meta: SeqMeta = serde_json::from_slice(&p.meta)
                     .map_err(|e| format!("the transfer's meta: {e}"))?;
                 // A streamed prefill's first token comes with its K/V: this
@@ -465,6 +517,7 @@ fn pull_then_submit(
             match got {
                 Ok((p, meta, first)) if meta.finish.is_some() => {
                     // The first token ended the request: nothing to decode.
+                    dest.give_back(&ctx.handle.pool);
                     let _ = events.send(WireEvent::Admitted {
                         recomputed: false,
                         kv_bytes: p.bytes,
@@ -478,19 +531,30 @@ fn pull_then_submit(
                         prompt_tokens: meta.prompt_tokens,
                         completion_tokens: meta.completion_tokens,
                     });
-                    ctx.handle.pool.give(p.kv);
                     None
                 }
-                Ok((p, meta, first)) => Some(Job::Import {
-                    prep: prepared.clone(),
-                    kv: p.kv,
-                    meta: Box::new(meta),
-                    bytes: p.bytes,
-                    pull_s: p.seconds,
-                    first,
-                    events: events.clone(),
-                }),
-                Err(why) => failed(why),
+                Ok((p, meta, first)) => {
+                    let landed = match dest {
+                        Dest::Blocks(r) => r.landed(),
+                        Dest::Buffer(buf) => Some(Landed::Buffer(buf)),
+                    };
+                    match landed {
+                        Some(kv) => Some(Job::Import {
+                            prep: prepared.clone(),
+                            kv,
+                            meta: Box::new(meta),
+                            bytes: p.bytes,
+                            pull_s: p.seconds,
+                            first,
+                            events: events.clone(),
+                        }),
+                        None => failed("the reserved blocks are gone".into()),
+                    }
+                }
+                Err(why) => {
+                    dest.give_back(&ctx.handle.pool);
+                    failed(why)
+                }
             }
         }
     };
@@ -513,6 +577,7 @@ async fn stats(State(ctx): State<Ctx>) -> Json<serde_json::Value> {
         "kv_used_blocks": l.kv_used_blocks.load(Ordering::SeqCst),
         "kv_total_blocks": l.kv_total_blocks.load(Ordering::SeqCst),
         "imported": l.imported.load(Ordering::SeqCst),
+        "imported_in_blocks": l.imported_in_blocks.load(Ordering::SeqCst),
         "recomputed": l.recomputed.load(Ordering::SeqCst),
         "prefilled": l.prefilled.load(Ordering::SeqCst),
     });

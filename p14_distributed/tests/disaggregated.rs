@@ -6,7 +6,10 @@
 //! exactly 2 · L · n_kv · head_dim · T · 4 bytes, and nothing stays held.
 //! The same when the K/V streams layer by layer while the prompt is
 //! prefilled (its second round hits the prefill worker's prefix cache, so
-//! the cached positions are sent from its blocks).
+//! the cached positions are sent from its blocks). Pulls land in the
+//! decode worker's own reserved blocks; the same when they land in a
+//! buffer (`--land-in buffer`) and when the decode worker is so short of
+//! blocks that some must.
 
 mod support;
 
@@ -15,14 +18,32 @@ use p14_distributed::registry::Role;
 use p14_distributed::wire::LoadFailurePolicy;
 use support::*;
 
-fn check(weights: &str, prefill: usize, decode: usize) {
-    check_with(weights, prefill, decode, false)
+/// Where the decode workers' pulls are to have landed.
+#[derive(Clone, Copy, PartialEq)]
+enum Lands {
+    /// Every one in its reserved blocks (blocks are plenty).
+    Blocks,
+    /// Every one in a buffer (`--land-in buffer`).
+    Buffer,
+    /// Some in buffers (blocks are short: some pulls find none free).
+    Short,
 }
 
-fn check_with(weights: &str, prefill: usize, decode: usize, layerwise: bool) {
+fn check(weights: &str, prefill: usize, decode: usize) {
+    check_with(weights, prefill, decode, false, &[], Lands::Blocks)
+}
+
+fn check_with(
+    weights: &str,
+    prefill: usize,
+    decode: usize,
+    layerwise: bool,
+    decode_args: &[&str],
+    lands: Lands,
+) {
     let none: &[&str] = &[];
     let p = vec![none; prefill];
-    let d = vec![none; decode];
+    let d = vec![decode_args; decode];
     let rig = rig_with(weights, 1, &p, &d, LoadFailurePolicy::Fail, layerwise);
     let one = colocated(weights);
     let mut want_bytes = 0;
@@ -78,6 +99,16 @@ fn check_with(weights: &str, prefill: usize, decode: usize, layerwise: bool) {
         "held after every ack"
     );
     assert_eq!(stats(Role::Decode, "imported"), 2 * reqs.len() as u64);
+    let in_blocks = stats(Role::Decode, "imported_in_blocks");
+    eprintln!(
+        "{in_blocks} of {} pulls landed in reserved blocks",
+        2 * reqs.len()
+    );
+    match lands {
+        Lands::Blocks => assert_eq!(in_blocks, 2 * reqs.len() as u64),
+        Lands::Buffer => assert_eq!(in_blocks, 0),
+        Lands::Short => assert!(in_blocks < 2 * reqs.len() as u64),
+    }
     assert_eq!(stats(Role::Decode, "recomputed"), 0);
     for w in rig.workers.iter().filter(|w| w.role == Role::Decode) {
         let s = wait_stat(&rig, w, "running", 0);
@@ -102,5 +133,35 @@ fn f32_1p1d_equals_one_engine_bit_for_bit() {
 
 #[test]
 fn native_1p1d_streamed_layer_by_layer_equals_one_engine_bit_for_bit() {
-    check_with("native", 1, 1, true);
+    check_with("native", 1, 1, true, &[], Lands::Blocks);
+}
+
+#[test]
+fn native_1p1d_landing_in_a_buffer_equals_one_engine_bit_for_bit() {
+    // The copying import: frames into a kept buffer, copied into blocks
+    // on the model thread.
+    check_with(
+        "native",
+        1,
+        1,
+        false,
+        &["--land-in", "buffer"],
+        Lands::Buffer,
+    );
+}
+
+#[test]
+fn native_1p1d_short_of_decode_blocks_equals_one_engine_bit_for_bit() {
+    // Four blocks of 16 and one running sequence on the decode worker:
+    // the concurrent round's reservations wait for the running slot
+    // holding their blocks, the pulls that find none free land in
+    // buffers and wait for room; nothing changes.
+    check_with(
+        "native",
+        1,
+        1,
+        false,
+        &["--kv-cache-mib", "3", "--max-num-seqs", "1"],
+        Lands::Short,
+    );
 }

@@ -5,7 +5,7 @@
 //! does not allow, an early trailer, a refusal and a truncated stream are
 //! each refused.
 
-use p08_continuous::kv_transfer::{KvBuffer, KvDtype, KvLayout};
+use p08_continuous::kv_transfer::{KvBuffer, KvDtype, KvLayout, KvLease};
 use p14_distributed::frames::*;
 use p14_distributed::live::Live;
 use p14_distributed::protocol::*;
@@ -305,5 +305,49 @@ fn a_frame_read_in_place_equals_its_payload_copied_in() {
             assert_eq!(got, want, "{tokens} tokens, {p0}..{p1}");
             assert_eq!(filled[1], p1);
         }
+    }
+}
+
+#[test]
+fn frames_land_in_lent_blocks_as_in_one_buffer() {
+    // A decode worker reads straight into blocks lent by its storage: one
+    // allocation per block, in table order, whatever their ids.
+    for tokens in [1, 4, 9, 23] {
+        let src = buffer(tokens);
+        let mut wire = Vec::new();
+        write_layers(&mut wire, 5, &src, 0..3, None).unwrap();
+        write_trailer(&mut wire, b"{}").unwrap();
+        let l = layout();
+        let n = tokens.div_ceil(l.block_size);
+        let mut lease = KvLease {
+            layout: l,
+            tokens,
+            blocks: (0..n)
+                .map(|i| {
+                    (
+                        (n - i) as u32 * 7,
+                        vec![0.0f32; l.block_floats()].into_boxed_slice(),
+                    )
+                })
+                .collect(),
+        };
+        let (mut filled, mut scratch, mut r) = (vec![0; 3], Vec::new(), &wire[..]);
+        loop {
+            match read_next(&mut r, 5, &mut lease, &mut filled, &mut scratch).unwrap() {
+                Next::Trailer(_) => break,
+                _ => continue,
+            }
+        }
+        for (i, (_, mem)) in lease.blocks.iter().enumerate() {
+            assert_eq!(&mem[..], src.block(i), "{tokens} tokens, block {i}");
+        }
+        // Too few blocks for the frames' positions: refused, not a panic.
+        let mut short = KvLease {
+            layout: l,
+            tokens,
+            blocks: Vec::new(),
+        };
+        let e = read_next(&mut &wire[..], 5, &mut short, &mut vec![0; 3], &mut scratch);
+        assert!(matches!(e, Err(ProtocolError::Range { .. })), "{e:?}");
     }
 }

@@ -74,7 +74,10 @@ pub fn worker_args(
         "--pull-timeout-s",
         "5",
     ]
-    .iter()
+    .chunks(2)
+    // A flag given in `extra` replaces its default here.
+    .filter(|kv| !extra.contains(&kv[0]))
+    .flatten()
     .map(|s| s.to_string())
     .collect();
     if let Some(n) = nats {
