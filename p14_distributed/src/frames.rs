@@ -23,6 +23,8 @@
 //! Trailer  (16 B + meta)     magic "P14M" meta_len:u32 meta_sum:u64
 //!                            then meta_len bytes
 //! Heartbeat (4 B)            magic "P14H"
+//! Abort    (8 B + reason)    magic "P14X" reason_len:u32 then reason
+//!                            (UTF-8, at most 4 KiB): the sender gives up
 //! ```
 
 use std::io::{IoSlice, IoSliceMut, Read, Write};
@@ -39,6 +41,12 @@ const TRAILER_MAGIC: &[u8; 4] = b"P14M";
 /// new: the receiver's deadline counts from the last word it heard.
 const HEARTBEAT_MAGIC: &[u8; 4] = b"P14H";
 pub const TRAILER_LEN: usize = 16;
+/// Sent instead of the rest of a transfer the sender cannot finish (a
+/// streamed prefill that failed): the receiver's error says why, not
+/// only that the connection closed.
+const ABORT_MAGIC: &[u8; 4] = b"P14X";
+/// The longest reason an abort carries.
+pub const MAX_REASON: usize = 4096;
 /// The most payload one frame may carry.
 pub const MAX_FRAME: usize = 256 << 20;
 
@@ -342,6 +350,38 @@ pub fn write_heartbeat(w: &mut impl Write) -> std::io::Result<()> {
     w.write_all(HEARTBEAT_MAGIC)
 }
 
+/// Give up a transfer mid-way, saying why (cut to [`MAX_REASON`] bytes
+/// on a character boundary).
+pub fn write_abort(w: &mut impl Write, why: &str) -> std::io::Result<()> {
+    let mut end = why.len().min(MAX_REASON);
+    while !why.is_char_boundary(end) {
+        end -= 1;
+    }
+    w.write_all(ABORT_MAGIC)?;
+    w.write_all(&(end as u32).to_le_bytes())?;
+    w.write_all(&why.as_bytes()[..end])
+}
+
+fn read_abort(r: &mut impl Read) -> ProtocolError {
+    let mut b = [0u8; 4];
+    if let Err(e) = r.read_exact(&mut b) {
+        return e.into();
+    }
+    let n = u32::from_le_bytes(b) as usize;
+    if n > MAX_REASON {
+        return ProtocolError::Range {
+            what: "abort reason length",
+            got: n as u64,
+            max: MAX_REASON as u64,
+        };
+    }
+    let mut why = vec![0u8; n];
+    if let Err(e) = r.read_exact(&mut why) {
+        return e.into();
+    }
+    ProtocolError::Aborted(String::from_utf8_lossy(&why).into_owned())
+}
+
 /// Read the next frame into `buf` (sized for its tokens beforehand) or
 /// the trailer. `filled[layer]` is how many positions of each layer have
 /// arrived: a frame must start there; the trailer must find every layer
@@ -360,6 +400,9 @@ pub fn read_next(
     }
     if &m == HEARTBEAT_MAGIC {
         return Ok(Next::Heartbeat);
+    }
+    if &m == ABORT_MAGIC {
+        return Err(read_abort(r));
     }
     magic(&m, FRAME_MAGIC, "frame")?;
     let mut h = [0u8; FRAME_HEADER_LEN - 4];

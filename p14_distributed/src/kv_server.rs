@@ -292,7 +292,9 @@ impl KvServer {
                 // The prefill failed: the decode worker's read ends and its
                 // policy decides.
                 Some(End::Failed(why)) => {
-                    return Err(ProtocolError::Io(std::io::Error::other(why)));
+                    frames::write_abort(w, &why)?;
+                    w.flush()?;
+                    return Err(ProtocolError::Aborted(why));
                 }
                 // Ended, nothing new, and a layer short: nothing more will
                 // come (not a spin): say which.
@@ -302,11 +304,14 @@ impl KvServer {
                         .enumerate()
                         .find(|(_, &s)| s != live.tokens)
                         .unwrap_or((0, &0));
-                    return Err(ProtocolError::Order {
+                    let e = ProtocolError::Order {
                         layer: layer as u32,
                         got: got as u64,
                         want: live.tokens as u64,
-                    });
+                    };
+                    frames::write_abort(w, &e.to_string())?;
+                    w.flush()?;
+                    return Err(e);
                 }
                 _ => {}
             }

@@ -117,6 +117,8 @@ pub enum ProtocolError {
     },
     #[error("K/V transfer: transfer id {got} where {want} was due")]
     Transfer { got: u64, want: u64 },
+    #[error("K/V transfer aborted by the sender: {0}")]
+    Aborted(String),
 }
 
 /// XXH3 of a prompt's token ids, little-endian.

@@ -3,7 +3,8 @@
 //! the wire, whole or run by run as a streamed prefill sends them; a
 //! flipped bit, a run out of order, a wrong transfer, a length the layout
 //! does not allow, an early trailer, a refusal and a truncated stream are
-//! each refused.
+//! each refused; frames land in lent blocks as in one buffer; a sender's
+//! abort reaches the puller with its reason.
 
 use p08_continuous::kv_transfer::{KvBuffer, KvDtype, KvLayout, KvLease};
 use p14_distributed::frames::*;
@@ -350,4 +351,82 @@ fn frames_land_in_lent_blocks_as_in_one_buffer() {
         let e = read_next(&mut &wire[..], 5, &mut short, &mut vec![0; 3], &mut scratch);
         assert!(matches!(e, Err(ProtocolError::Range { .. })), "{e:?}");
     }
+}
+
+#[test]
+fn an_abort_says_why_and_a_huge_reason_is_refused() {
+    let mut wire = Vec::new();
+    write_heartbeat(&mut wire).unwrap();
+    write_abort(&mut wire, "the prefill was dropped").unwrap();
+    let mut dst = KvBuffer::zeros(layout(), 4);
+    let (mut filled, mut s, mut r) = (vec![0; 3], Vec::new(), &wire[..]);
+    assert!(matches!(
+        read_next(&mut r, 5, &mut dst, &mut filled, &mut s),
+        Ok(Next::Heartbeat)
+    ));
+    let e = read_next(&mut r, 5, &mut dst, &mut filled, &mut s).unwrap_err();
+    assert!(
+        matches!(&e, ProtocolError::Aborted(w) if w == "the prefill was dropped"),
+        "{e:?}"
+    );
+    // A reason is cut to its limit on a character boundary.
+    let mut wire = Vec::new();
+    write_abort(&mut wire, &"é".repeat(MAX_REASON)).unwrap();
+    let e = read_next(&mut &wire[..], 5, &mut dst, &mut filled, &mut s).unwrap_err();
+    assert!(
+        matches!(&e, ProtocolError::Aborted(w) if w.len() == MAX_REASON),
+        "{e:?}"
+    );
+    // A length past the limit is refused before anything is allocated.
+    let mut bad = b"P14X".to_vec();
+    bad.extend_from_slice(&u32::MAX.to_le_bytes());
+    let e = read_next(&mut &bad[..], 5, &mut dst, &mut filled, &mut s).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ProtocolError::Range {
+                what: "abort reason length",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn a_failed_live_transfer_reaches_its_puller_as_the_senders_reason() {
+    use p14_distributed::kv_server::{Faults, KvServer};
+    use p14_distributed::wire::TransferHandle;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let server = KvServer::start(
+        listener,
+        addr.clone(),
+        7,
+        layout(),
+        std::time::Duration::from_secs(10),
+        Faults::default(),
+    );
+    let prompt = [1, 2, 3, 4, 5];
+    let (id, live) = server.open_live(prompt.len(), prompt_hash(&prompt));
+    let handle = TransferHandle {
+        kv_addr: addr,
+        transfer_id: id,
+        prompt_hash: prompt_hash(&prompt),
+        tokens: prompt.len(),
+        lease_ms: 10_000,
+    };
+    let failer = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        live.fail("the prefill ran out of memory".into());
+    });
+    let mut dst = KvBuffer::zeros(layout(), prompt.len());
+    let e =
+        p14_distributed::kv_client::pull(&handle, &mut dst, 7, std::time::Duration::from_secs(5))
+            .unwrap_err();
+    failer.join().unwrap();
+    assert!(
+        matches!(&e, ProtocolError::Aborted(w) if w == "the prefill ran out of memory"),
+        "{e:?}"
+    );
 }
