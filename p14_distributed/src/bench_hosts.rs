@@ -95,6 +95,9 @@ async fn decode(http: &reqwest::Client, url: &str, order: &DecodeOrder) -> Resul
         buf.extend_from_slice(&chunk?);
         while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
             let line: Vec<u8> = buf.drain(..=nl).collect();
+            if line.iter().all(u8::is_ascii_whitespace) {
+                continue; // a keepalive
+            }
             match serde_json::from_slice::<WireEvent>(&line)? {
                 WireEvent::Admitted { pull_s, .. } => {
                     admitted = Some(t0.elapsed().as_secs_f64());

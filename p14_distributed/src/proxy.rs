@@ -196,6 +196,30 @@ impl Engine for Proxy {
     }
 }
 
+/// A prefill worker counted in flight until its prefill is known done:
+/// a streamed prefill answers at once, so it stays counted until the
+/// decode worker's stream starts (its first token exists by then), or the
+/// request ends. Routing by in-flight work then sees a worker busy with
+/// streamed prefills as busy.
+struct Counted {
+    board: Arc<Board>,
+    id: Option<String>,
+}
+
+impl Counted {
+    fn end(&mut self) {
+        if let Some(id) = self.id.take() {
+            self.board.end(&id);
+        }
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.end();
+    }
+}
+
 /// Why a decode attempt ended without a result.
 enum Lost {
     /// Before `admitted`: another worker may take the request.
@@ -220,12 +244,19 @@ impl Trip {
     }
 
     async fn run(self, prep: WirePrepared) {
-        match self.prefill(&prep).await {
+        let (reply, counted) = match self.prefill(&prep).await {
+            Some((r, c)) => (Some(r), c),
+            None => (None, self.uncounted()),
+        };
+        match reply {
             Some(PrefillReply::Transfer { first, handle, .. }) => {
-                self.decode(prep, Some(handle), Some(first.into())).await
+                self.decode(prep, Some(handle), Some(first.into()), counted)
+                    .await
             }
             // Streamed: the decode worker sends the first token on.
-            Some(PrefillReply::Started { handle }) => self.decode(prep, Some(handle), None).await,
+            Some(PrefillReply::Started { handle }) => {
+                self.decode(prep, Some(handle), None, counted).await
+            }
             Some(PrefillReply::Finished {
                 first,
                 finish,
@@ -244,13 +275,21 @@ impl Trip {
             Some(PrefillReply::Error(e)) => self.error(e.into()),
             None => {
                 self.stats.no_prefill.fetch_add(1, Ordering::SeqCst);
-                self.decode(prep, None, None).await
+                self.decode(prep, None, None, counted).await
             }
         }
     }
 
-    /// The prefill's answer, or None when no prefill worker answered.
-    async fn prefill(&self, prep: &WirePrepared) -> Option<PrefillReply> {
+    fn uncounted(&self) -> Counted {
+        Counted {
+            board: self.board.clone(),
+            id: None,
+        }
+    }
+
+    /// The prefill's answer, or None when no prefill worker answered; a
+    /// streamed prefill's worker still counted in flight.
+    async fn prefill(&self, prep: &WirePrepared) -> Option<(PrefillReply, Counted)> {
         let mut tried: Vec<String> = Vec::new();
         loop {
             let workers = self.view.workers(Role::Prefill);
@@ -258,6 +297,10 @@ impl Trip {
             let hashes = block_hashes(&Xxh3BlockHasher, &prep.prompt, block_size, &prep.salt);
             let (w, basis) = self.board.pick_prefill(&workers, &hashes, &tried)?;
             self.board.begin(&w.id);
+            let mut counted = Counted {
+                board: self.board.clone(),
+                id: Some(w.id.clone()),
+            };
             let path = match self.layerwise {
                 true => "prefill_stream",
                 false => "prefill",
@@ -275,11 +318,14 @@ impl Trip {
                 Ok(r) if r.status().is_success() => r.json::<PrefillReply>().await.ok(),
                 _ => None,
             };
-            self.board.end(&w.id);
+            let streaming = matches!(reply, Some(PrefillReply::Started { .. }));
+            if !streaming {
+                counted.end();
+            }
             match reply {
                 Some(reply) => {
                     self.count(basis);
-                    return Some(reply);
+                    return Some((reply, counted));
                 }
                 None => {
                     eprintln!("proxy {}: prefill worker {} failed; next", self.id, w.id);
@@ -296,6 +342,7 @@ impl Trip {
         prepared: WirePrepared,
         handle: Option<TransferHandle>,
         first: Option<TokenOut>,
+        mut counted: Counted,
     ) {
         let mut tried: Vec<String> = Vec::new();
         let mut policy = self.policy;
@@ -317,7 +364,9 @@ impl Trip {
                 policy,
             };
             self.board.begin(&w.id);
-            let r = self.stream_from(&w.http, &order, first.clone()).await;
+            let r = self
+                .stream_from(&w.http, &order, first.clone(), &mut counted)
+                .await;
             self.board.end(&w.id);
             match r {
                 Ok(()) => return,
@@ -349,6 +398,7 @@ impl Trip {
         base: &str,
         order: &DecodeOrder,
         mut first: Option<TokenOut>,
+        counted: &mut Counted,
     ) -> Result<(), Lost> {
         let r = self
             .http
@@ -368,16 +418,20 @@ impl Trip {
             false => Lost::BeforeStart(why),
         };
         loop {
-            // A decode worker that goes silent this long is taken as lost.
+            // A decode worker that goes silent this long (no event and no
+            // keepalive, which come every 5 s) is taken as lost.
             let chunk = match tokio::time::timeout(Duration::from_secs(120), body.next()).await {
                 Ok(Some(Ok(c))) => c,
                 Ok(Some(Err(e))) => return Err(lost(started, e.to_string())),
                 Ok(None) => return Err(lost(started, "its stream ended early".into())),
-                Err(_) => return Err(lost(started, "no event for 120 s".into())),
+                Err(_) => return Err(lost(started, "nothing heard for 120 s".into())),
             };
             buf.extend_from_slice(&chunk);
             while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
                 let line: Vec<u8> = buf.drain(..=nl).collect();
+                if line.iter().all(u8::is_ascii_whitespace) {
+                    continue; // a keepalive: the decode worker lives
+                }
                 let ev: WireEvent = serde_json::from_slice(&line)
                     .map_err(|e| lost(started, format!("an unreadable event ({e})")))?;
                 if self.events.is_closed() {
@@ -390,6 +444,7 @@ impl Trip {
                         ..
                     } => {
                         started = true;
+                        counted.end();
                         if recomputed {
                             self.stats.recomputed.fetch_add(1, Ordering::SeqCst);
                         }

@@ -378,13 +378,24 @@ async fn decode(
         .unwrap_or_default()
 }
 
+/// How often a decode stream with nothing to say says so.
+const KEEPALIVE: Duration = Duration::from_secs(5);
+
 fn tokio_stream_lines(
     rx: mpsc::UnboundedReceiver<WireEvent>,
 ) -> impl futures_util::Stream<Item = Result<Vec<u8>, std::io::Error>> {
     futures_util::stream::unfold(rx, |mut rx| async move {
-        let ev = rx.recv().await?;
-        let mut line = serde_json::to_vec(&ev).unwrap_or_default();
-        line.push(b'\n');
+        // A blank line every few seconds while nothing happens (a streamed
+        // prefill still queued on the prefill worker): the proxy's deadline
+        // on this stream is for a silent worker, not a slow prompt.
+        let line = match tokio::time::timeout(KEEPALIVE, rx.recv()).await {
+            Ok(ev) => {
+                let mut line = serde_json::to_vec(&ev?).unwrap_or_default();
+                line.push(b'\n');
+                line
+            }
+            Err(_) => b"\n".to_vec(),
+        };
         Some((Ok(line), rx))
     })
     .boxed()
@@ -606,4 +617,42 @@ pub fn pin_to(cpu: usize) -> anyhow::Result<()> {
         anyhow::bail!("pinning to CPU {cpu}: {}", std::io::Error::last_os_error());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_quiet_decode_stream_says_it_lives_then_carries_its_events() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let mut lines = tokio_stream_lines(rx);
+            let t0 = Instant::now();
+            let first = lines.next().await.unwrap().unwrap();
+            assert_eq!(first, b"\n", "a keepalive while nothing happens");
+            assert!(t0.elapsed() >= KEEPALIVE);
+            tx.send(WireEvent::Done {
+                finish: "stop".into(),
+                prompt_tokens: 1,
+                completion_tokens: 2,
+            })
+            .unwrap();
+            let ev = lines.next().await.unwrap().unwrap();
+            let ev: WireEvent = serde_json::from_slice(&ev).unwrap();
+            assert!(matches!(
+                ev,
+                WireEvent::Done {
+                    completion_tokens: 2,
+                    ..
+                }
+            ));
+            drop(tx);
+            assert!(lines.next().await.is_none(), "ends with its events");
+        });
+    }
 }

@@ -348,7 +348,7 @@ fn frames_land_in_lent_blocks_as_in_one_buffer() {
             tokens,
             blocks: Vec::new(),
         };
-        let e = read_next(&mut &wire[..], 5, &mut short, &mut vec![0; 3], &mut scratch);
+        let e = read_next(&mut &wire[..], 5, &mut short, &mut [0; 3], &mut scratch);
         assert!(matches!(e, Err(ProtocolError::Range { .. })), "{e:?}");
     }
 }
