@@ -196,6 +196,14 @@ impl Etcd {
         self.call("/v3/kv/put", body).await.map(|_| ())
     }
 
+    /// Delete `key`; whether it existed.
+    pub async fn delete(&self, key: &str) -> Result<bool, EtcdError> {
+        let v = self
+            .call("/v3/kv/deleterange", json!({ "key": b64(key.as_bytes()) }))
+            .await?;
+        Ok(v.get("deleted").and_then(num).unwrap_or(0) > 0)
+    }
+
     /// Every key under `prefix`, and the store's revision.
     pub async fn get_prefix(&self, prefix: &str) -> Result<(Vec<Kv>, i64), EtcdError> {
         let v = self

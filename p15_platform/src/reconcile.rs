@@ -1,0 +1,206 @@
+//! The controller's reconcile step: desired and actual state in, the
+//! actions that make them agree out.
+//!
+//! It is a pure function of what etcd holds now (Kubernetes' level-
+//! triggered reconcile): recomputed from scratch every time, never from
+//! the events the controller happened to see, so a missed or repeated
+//! event changes nothing. Once a plan's actions are in the state, the same
+//! plan again is empty (idempotent). Server ids are chosen
+//! deterministically (`<deployment>-g<generation>-<n>`, the smallest free
+//! `n`), so two plans made from one state start the same server, and a
+//! node agent told twice to start it starts it once.
+//!
+//! ```text
+//! for each deployment:
+//!   servers on dead nodes, failed servers       -> remove (replaced below)
+//!   no rollout in progress:                      start or drain to the count
+//!   a rollout (servers of an older generation):  start new ones while
+//!       new < count and new + old < count + max_surge;
+//!     drain old ones (not ready first) while
+//!       ready (new + old) - 1 >= count - max_unavailable
+//! servers of deleted deployments                 -> drain
+//! a start goes to the live node with the most free capacity
+//! ```
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::spec::Rollout;
+
+/// A live node (its agent's lease holds) and how many servers it hosts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Node {
+    pub id: String,
+    pub capacity: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    Starting,
+    Ready,
+    /// Stops admitting, finishes its streams, then is stopped.
+    Draining,
+    Failed,
+}
+
+/// A server as its node agent reports it (or as assigned, not yet
+/// reported: `Starting`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Server {
+    pub id: String,
+    pub deployment: String,
+    pub generation: u64,
+    pub node: String,
+    pub phase: Phase,
+}
+
+/// A deployment's desired state: its generation (what its servers must
+/// run) and replica count (the autoscaler's, within min and max).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Want {
+    pub name: String,
+    pub generation: u64,
+    pub replicas: u32,
+    pub rollout: Rollout,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    Start {
+        id: String,
+        deployment: String,
+        generation: u64,
+        node: String,
+    },
+    Drain {
+        id: String,
+    },
+    Remove {
+        id: String,
+    },
+}
+
+/// What a plan could not do (shown by `status`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pending {
+    pub deployment: String,
+    pub unplaced: u32,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    pub actions: Vec<Action>,
+    pub pending: Vec<Pending>,
+}
+
+fn server_id(deployment: &str, generation: u64, n: u32) -> String {
+    format!("{deployment}-g{generation}-{n}")
+}
+
+/// The plan for `wants` given `servers` on live `nodes`.
+pub fn plan(wants: &[Want], servers: &[Server], nodes: &[Node]) -> Plan {
+    let live: BTreeSet<&str> = nodes.iter().map(|n| n.id.as_str()).collect();
+    let mut p = Plan::default();
+    // Servers each node hosts, draining ones included (they still run).
+    let mut load: BTreeMap<&str, u32> = nodes.iter().map(|n| (n.id.as_str(), 0)).collect();
+    let mut gone: BTreeSet<&str> = BTreeSet::new();
+    for s in servers {
+        if !live.contains(s.node.as_str()) || s.phase == Phase::Failed {
+            p.actions.push(Action::Remove { id: s.id.clone() });
+            gone.insert(&s.id);
+        } else if let Some(l) = load.get_mut(s.node.as_str()) {
+            *l += 1;
+        }
+    }
+    let active = |s: &&Server| !gone.contains(s.id.as_str()) && s.phase != Phase::Draining;
+    let taken: BTreeSet<&str> = servers.iter().map(|s| s.id.as_str()).collect();
+    for w in wants {
+        let mine: Vec<&Server> = servers
+            .iter()
+            .filter(|s| s.deployment == w.name)
+            .filter(active)
+            .collect();
+        let (new, old): (Vec<&Server>, Vec<&Server>) =
+            mine.iter().partition(|s| s.generation == w.generation);
+        let ready = |v: &[&Server]| v.iter().filter(|s| s.phase == Phase::Ready).count() as u32;
+        let (n_new, n_old) = (new.len() as u32, old.len() as u32);
+        let mut start = 0;
+        let mut drain: Vec<&Server> = Vec::new();
+        if old.is_empty() {
+            if n_new < w.replicas {
+                start = w.replicas - n_new;
+            } else {
+                // Extra servers: not-ready ones first, then the highest ids.
+                let mut extra = new.clone();
+                extra.sort_by_key(|s| (s.phase == Phase::Ready, std::cmp::Reverse(s.id.clone())));
+                drain.extend(extra.into_iter().take((n_new - w.replicas) as usize));
+            }
+        } else {
+            let surge_room = (w.replicas + w.rollout.max_surge).saturating_sub(n_new + n_old);
+            start = w.replicas.saturating_sub(n_new).min(surge_room);
+            if n_new > w.replicas {
+                let mut extra = new.clone();
+                extra.sort_by_key(|s| (s.phase == Phase::Ready, std::cmp::Reverse(s.id.clone())));
+                drain.extend(extra.into_iter().take((n_new - w.replicas) as usize));
+            }
+            let min_available = w.replicas.saturating_sub(w.rollout.max_unavailable);
+            let mut available = ready(&new) + ready(&old);
+            let mut olds = old.clone();
+            olds.sort_by_key(|s| (s.phase == Phase::Ready, s.id.clone()));
+            for s in olds {
+                if s.phase != Phase::Ready {
+                    drain.push(s); // serves nothing yet: replaced freely
+                } else if available > min_available {
+                    drain.push(s);
+                    available -= 1;
+                } else {
+                    break;
+                }
+            }
+        }
+        p.actions.extend(
+            drain
+                .into_iter()
+                .map(|s| Action::Drain { id: s.id.clone() }),
+        );
+        let mut n = 0;
+        let mut unplaced = 0;
+        for _ in 0..start {
+            let node = nodes
+                .iter()
+                .filter(|nd| load.get(nd.id.as_str()).copied().unwrap_or(0) < nd.capacity)
+                .max_by_key(|nd| {
+                    let free = nd.capacity - load.get(nd.id.as_str()).copied().unwrap_or(0);
+                    (free, std::cmp::Reverse(nd.id.clone()))
+                });
+            let Some(node) = node else {
+                unplaced += 1;
+                continue;
+            };
+            while taken.contains(server_id(&w.name, w.generation, n).as_str())
+                || p.actions.iter().any(|a| matches!(a, Action::Start { id, .. } if *id == server_id(&w.name, w.generation, n)))
+            {
+                n += 1;
+            }
+            p.actions.push(Action::Start {
+                id: server_id(&w.name, w.generation, n),
+                deployment: w.name.clone(),
+                generation: w.generation,
+                node: node.id.clone(),
+            });
+            *load.entry(node.id.as_str()).or_default() += 1;
+        }
+        if unplaced > 0 {
+            p.pending.push(Pending {
+                deployment: w.name.clone(),
+                unplaced,
+            });
+        }
+    }
+    let names: BTreeSet<&str> = wants.iter().map(|w| w.name.as_str()).collect();
+    for s in servers.iter().filter(active) {
+        if !names.contains(s.deployment.as_str()) {
+            p.actions.push(Action::Drain { id: s.id.clone() });
+        }
+    }
+    p
+}

@@ -1,0 +1,214 @@
+//! The reconcile step on scripted states: it places by free capacity and
+//! is idempotent (the same state gives the same plan; a state with the
+//! plan in it gives none); it replaces failed servers and servers on dead
+//! nodes; it scales down not-ready servers first; a rolling update keeps
+//! the availability its rollout settings promise at every step and ends
+//! with only the new generation; a deleted deployment drains.
+
+use p15_platform::reconcile::{plan, Action, Node, Phase, Plan, Server, Want};
+use p15_platform::spec::Rollout;
+
+fn nodes(caps: &[(&str, u32)]) -> Vec<Node> {
+    caps.iter()
+        .map(|(id, c)| Node {
+            id: id.to_string(),
+            capacity: *c,
+        })
+        .collect()
+}
+
+fn want(replicas: u32, generation: u64, surge: u32, unavailable: u32) -> Want {
+    Want {
+        name: "m".into(),
+        generation,
+        replicas,
+        rollout: Rollout {
+            max_surge: surge,
+            max_unavailable: unavailable,
+        },
+    }
+}
+
+/// What the node agents do with a plan: start (Starting), drain, remove.
+fn apply(p: &Plan, servers: &mut Vec<Server>) {
+    for a in &p.actions {
+        match a {
+            Action::Start {
+                id,
+                deployment,
+                generation,
+                node,
+            } => {
+                assert!(servers.iter().all(|s| s.id != *id), "{id} started twice");
+                servers.push(Server {
+                    id: id.clone(),
+                    deployment: deployment.clone(),
+                    generation: *generation,
+                    node: node.clone(),
+                    phase: Phase::Starting,
+                });
+            }
+            Action::Drain { id } => {
+                let s = servers
+                    .iter_mut()
+                    .find(|s| s.id == *id)
+                    .expect("drains a server");
+                s.phase = Phase::Draining;
+            }
+            Action::Remove { id } => servers.retain(|s| s.id != *id),
+        }
+    }
+}
+
+/// Time passes: started servers are ready, drained ones have stopped.
+fn tick(servers: &mut Vec<Server>) {
+    servers.retain(|s| s.phase != Phase::Draining);
+    for s in servers.iter_mut() {
+        if s.phase == Phase::Starting {
+            s.phase = Phase::Ready;
+        }
+    }
+}
+
+fn starts(p: &Plan) -> Vec<(&str, &str)> {
+    p.actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Start { id, node, .. } => Some((id.as_str(), node.as_str())),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_new_deployment_is_placed_by_free_capacity_and_the_plan_is_idempotent() {
+    let n = nodes(&[("a", 2), ("b", 3)]);
+    let w = [want(4, 1, 1, 0)];
+    let mut servers = Vec::new();
+    let p = plan(&w, &servers, &n);
+    assert_eq!(p, plan(&w, &servers, &n), "one state, one plan");
+    assert_eq!(
+        starts(&p),
+        [
+            ("m-g1-0", "b"),
+            ("m-g1-1", "a"),
+            ("m-g1-2", "b"),
+            ("m-g1-3", "a")
+        ]
+    );
+    apply(&p, &mut servers);
+    assert_eq!(plan(&w, &servers, &n), Plan::default(), "nothing twice");
+    tick(&mut servers);
+    assert_eq!(plan(&w, &servers, &n), Plan::default());
+}
+
+#[test]
+fn failed_servers_and_servers_on_dead_nodes_are_replaced() {
+    let mut n = nodes(&[("a", 4), ("b", 4)]);
+    let w = [want(4, 1, 1, 0)];
+    let mut servers = Vec::new();
+    apply(&plan(&w, &servers, &n), &mut servers);
+    tick(&mut servers);
+    servers[0].phase = Phase::Failed;
+    n.retain(|x| x.id != "b"); // b's lease expired
+    let p = plan(&w, &servers, &n);
+    let want_removed = servers
+        .iter()
+        .filter(|s| s.node == "b" || s.phase == Phase::Failed)
+        .count();
+    let removed = p
+        .actions
+        .iter()
+        .filter(|a| matches!(a, Action::Remove { .. }))
+        .count();
+    assert_eq!(removed, want_removed);
+    assert!(starts(&p).iter().all(|(_, node)| *node == "a"));
+    apply(&p, &mut servers);
+    tick(&mut servers);
+    let live = servers
+        .iter()
+        .filter(|s| s.node == "a" && s.phase == Phase::Ready)
+        .count();
+    assert_eq!(live, 4);
+    assert_eq!(plan(&w, &servers, &n), Plan::default());
+}
+
+#[test]
+fn scaling_down_drains_servers_not_ready_first() {
+    let n = nodes(&[("a", 8)]);
+    let mut servers = Vec::new();
+    apply(&plan(&[want(2, 1, 1, 0)], &servers, &n), &mut servers);
+    tick(&mut servers);
+    apply(&plan(&[want(4, 1, 1, 0)], &servers, &n), &mut servers); // two starting
+    let p = plan(&[want(2, 1, 1, 0)], &servers, &n);
+    let drained: Vec<_> = p
+        .actions
+        .iter()
+        .map(|a| match a {
+            Action::Drain { id } => servers.iter().find(|s| s.id == *id).unwrap().phase,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(drained, [Phase::Starting, Phase::Starting]);
+}
+
+/// Roll generation 1 to 2 with (surge, unavailable); the availability
+/// and surge bounds hold at every step, and it ends on generation 2 alone.
+fn roll(replicas: u32, surge: u32, unavailable: u32) {
+    let n = nodes(&[("a", 4), ("b", 4)]);
+    let mut servers = Vec::new();
+    apply(
+        &plan(&[want(replicas, 1, surge, unavailable)], &servers, &n),
+        &mut servers,
+    );
+    tick(&mut servers);
+    let w = [want(replicas, 2, surge, unavailable)];
+    for step in 0..50 {
+        let p = plan(&w, &servers, &n);
+        apply(&p, &mut servers);
+        let running = servers.iter().filter(|s| s.phase != Phase::Draining);
+        assert!(
+            running.count() as u32 <= replicas + surge,
+            "step {step}: more than the surge"
+        );
+        let ready = servers.iter().filter(|s| s.phase == Phase::Ready).count() as u32;
+        assert!(
+            ready + unavailable >= replicas,
+            "step {step}: {ready} ready"
+        );
+        tick(&mut servers);
+        if servers
+            .iter()
+            .all(|s| s.generation == 2 && s.phase == Phase::Ready)
+            && servers.len() as u32 == replicas
+        {
+            assert_eq!(plan(&w, &servers, &n), Plan::default());
+            return;
+        }
+    }
+    panic!("the rollout did not finish: {servers:?}");
+}
+
+#[test]
+fn a_rolling_update_keeps_every_replica_serving_with_surge_one() {
+    roll(3, 1, 0);
+}
+
+#[test]
+fn a_rolling_update_with_no_surge_goes_one_down_at_a_time() {
+    roll(3, 0, 1);
+}
+
+#[test]
+fn a_deleted_deployment_drains_and_a_full_fleet_reports_what_it_could_not_place() {
+    let n = nodes(&[("a", 2)]);
+    let mut servers = Vec::new();
+    let p = plan(&[want(3, 1, 1, 0)], &servers, &n);
+    assert_eq!(starts(&p).len(), 2);
+    assert_eq!(p.pending.len(), 1);
+    assert_eq!(p.pending[0].unplaced, 1);
+    apply(&p, &mut servers);
+    let p = plan(&[], &servers, &n);
+    assert_eq!(p.actions.len(), 2);
+    assert!(p.actions.iter().all(|a| matches!(a, Action::Drain { .. })));
+}
