@@ -9,10 +9,9 @@
 //!   other sequences, and their outputs do not change;
 //! - a cancelled reservation, lent or home, gives every block back.
 
-use std::sync::OnceLock;
+mod support;
 
 use common::batch::BatchModel;
-use p04_transformer::Tokenizer;
 use p05_kv_cache::generate::GenerateParams;
 use p05_kv_cache::llama_engine::LlamaEngine;
 use p08_continuous::handoff::HandoffError;
@@ -20,29 +19,14 @@ use p08_continuous::kv_transfer::KvBuffer;
 use p08_continuous::scheduler::SeqId;
 use p08_continuous::{ContinuousConfig, EngineCore, LocalCore};
 use p09_kv_manager::{BlockPool, KvManager, PagedKv};
-
-struct Model {
-    engine: LlamaEngine,
-    tok: Tokenizer,
-}
-
-fn smollm2() -> &'static Model {
-    static M: OnceLock<Model> = OnceLock::new();
-    M.get_or_init(|| {
-        let path = common::assets::ensure(common::assets::Asset::SmolLm2)
-            .unwrap_or_else(|e| panic!("{e}"));
-        let loaded = p05_kv_cache::load::load(&path).unwrap();
-        Model {
-            engine: loaded.engine,
-            tok: loaded.tokenizer.unwrap(),
-        }
-    })
-}
+use support::smollm2;
 
 type Core = LocalCore<'static, LlamaEngine, PagedKv>;
 
 fn core(blocks: usize) -> Core {
     let m = smollm2();
+    let engine: &'static LlamaEngine = &m.engine;
+    let tok = &*m.tokenizer;
     let config = ContinuousConfig {
         max_num_batched_tokens: 32,
         max_num_seqs: 8,
@@ -51,9 +35,9 @@ fn core(blocks: usize) -> Core {
         max_waiting: 64,
         step_cost: None,
     };
-    let pool = BlockPool::new(m.engine.kv_shape(), 16, blocks).unwrap();
+    let pool = BlockPool::new(engine.kv_shape(), 16, blocks).unwrap();
     let kv = PagedKv::from_manager(KvManager::new(pool, true));
-    let mut c = EngineCore::with_backend(&m.engine, &m.tok, &config, kv).unwrap();
+    let mut c = EngineCore::with_backend(engine, tok, &config, kv).unwrap();
     c.record_logits(true);
     c
 }
@@ -90,7 +74,7 @@ fn same(want: &[(u32, Vec<f32>)], got: &[(u32, Vec<f32>)]) {
 
 fn prompt() -> Vec<u32> {
     // 40 tokens or so: several blocks of 16, the last one partly full.
-    smollm2().tok.encode(
+    smollm2().tokenizer.encode(
         "The keeper of the lighthouse wrote in his log every evening: the wind, \
          the ships that passed, the colour of the sea and the names of the birds.",
     )
@@ -100,7 +84,7 @@ fn prompt() -> Vec<u32> {
 fn a_paged_sequence_continues_exactly_through_a_buffer_or_lent_blocks() {
     let prompt = prompt();
     let p = GenerateParams::greedy(8);
-    let other = smollm2().tok.encode("Hello, how are you?");
+    let other = smollm2().tokenizer.encode("Hello, how are you?");
 
     let mut one = core(64);
     assert!(one.add(1, &prompt, &p).unwrap());
