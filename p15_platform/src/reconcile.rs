@@ -96,6 +96,13 @@ fn server_id(deployment: &str, generation: u64, n: u32) -> String {
     format!("{deployment}-g{generation}-{n}")
 }
 
+/// A server id's `n` (ids not made here sort first), so that `-10`
+/// counts as newer than `-2`.
+fn ordinal(id: &str) -> (u64, &str) {
+    let n = id.rsplit('-').next().and_then(|n| n.parse().ok());
+    (n.unwrap_or(0), id)
+}
+
 /// The plan for `wants` given `servers` on live `nodes`.
 pub fn plan(wants: &[Want], servers: &[Server], nodes: &[Node]) -> Plan {
     let live: BTreeSet<&str> = nodes.iter().map(|n| n.id.as_str()).collect();
@@ -129,9 +136,9 @@ pub fn plan(wants: &[Want], servers: &[Server], nodes: &[Node]) -> Plan {
             if n_new < w.replicas {
                 start = w.replicas - n_new;
             } else {
-                // Extra servers: not-ready ones first, then the highest ids.
+                // Extra servers: not-ready ones first, then the newest (highest n).
                 let mut extra = new.clone();
-                extra.sort_by_key(|s| (s.phase == Phase::Ready, std::cmp::Reverse(s.id.clone())));
+                extra.sort_by_key(|s| (s.phase == Phase::Ready, std::cmp::Reverse(ordinal(&s.id))));
                 drain.extend(extra.into_iter().take((n_new - w.replicas) as usize));
             }
         } else {
@@ -139,7 +146,7 @@ pub fn plan(wants: &[Want], servers: &[Server], nodes: &[Node]) -> Plan {
             start = w.replicas.saturating_sub(n_new).min(surge_room);
             if n_new > w.replicas {
                 let mut extra = new.clone();
-                extra.sort_by_key(|s| (s.phase == Phase::Ready, std::cmp::Reverse(s.id.clone())));
+                extra.sort_by_key(|s| (s.phase == Phase::Ready, std::cmp::Reverse(ordinal(&s.id))));
                 drain.extend(extra.into_iter().take((n_new - w.replicas) as usize));
             }
             let min_available = w.replicas.saturating_sub(w.rollout.max_unavailable);

@@ -212,3 +212,23 @@ fn a_deleted_deployment_drains_and_a_full_fleet_reports_what_it_could_not_place(
     assert_eq!(p.actions.len(), 2);
     assert!(p.actions.iter().all(|a| matches!(a, Action::Drain { .. })));
 }
+
+#[test]
+fn scaling_down_drains_the_newest_by_number_not_by_spelling() {
+    let n = nodes(&[("a", 16)]);
+    let mut servers = Vec::new();
+    apply(&plan(&[want(11, 1, 1, 0)], &servers, &n), &mut servers);
+    tick(&mut servers);
+    let p = plan(&[want(9, 1, 1, 0)], &servers, &n);
+    assert_eq!(
+        p.actions,
+        [
+            Action::Drain {
+                id: "m-g1-10".into()
+            },
+            Action::Drain {
+                id: "m-g1-9".into()
+            }
+        ]
+    );
+}
