@@ -251,7 +251,7 @@ async fn health(State(g): State<Arc<Gateway>>) -> Response {
         .iter()
         .filter(|(_, r)| {
             !r.pool
-                .backends
+                .backends()
                 .iter()
                 .any(|b| b.healthy.load(std::sync::atomic::Ordering::Relaxed))
         })

@@ -50,6 +50,8 @@ pub struct Config {
     #[serde(default)]
     pub health: Health,
     #[serde(default)]
+    pub activator: Activator,
+    #[serde(default)]
     pub tenants: Vec<Tenant>,
     #[serde(default)]
     pub keys: Vec<Key>,
@@ -155,6 +157,17 @@ impl Default for Health {
             failures_to_eject: 2,
         }
     }
+}
+
+/// Requests for a model with no backend in rotation: held this long for
+/// one to appear (0: answered 503 at once), then answered 503 with
+/// `Retry-After`. With a hold, a model may list no backends: a platform
+/// fills them in as its servers become ready.
+#[derive(Clone, Copy, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Activator {
+    pub hold_ms: u64,
+    pub retry_after_s: u64,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -271,7 +284,7 @@ impl Config {
             if !names.insert(m.name.as_str()) {
                 return bad(format!("models[{i}].name"), format!("`{}` twice", m.name));
             }
-            if m.backends.is_empty() {
+            if m.backends.is_empty() && self.activator.hold_ms == 0 {
                 return bad(
                     format!("models[{i}].backends"),
                     "at least one backend".into(),

@@ -14,11 +14,7 @@ use crate::state::Gateway;
 /// One round of checks over every backend.
 pub async fn check_all(g: &Gateway) {
     let h = g.cfg.health;
-    let backends: Vec<Arc<Backend>> = g
-        .routes
-        .values()
-        .flat_map(|r| r.pool.backends.iter().cloned())
-        .collect();
+    let backends: Vec<Arc<Backend>> = g.routes.values().flat_map(|r| r.pool.backends()).collect();
     let checks = backends.iter().map(|b| async move {
         let ok = matches!(
             tokio::time::timeout(

@@ -130,6 +130,28 @@ fn passthrough(status: StatusCode, body: Bytes, (ct, retry): HeaderPair) -> Resp
     resp
 }
 
+/// With no backend in rotation: hold the request until one appears, for
+/// at most the activator's hold (and the request's deadline), as
+/// Knative's activator holds requests while a service scales from zero.
+/// The backends then, or none.
+async fn hold(g: &Gateway, pool: &Pool, out: &Outbound, deadline: Instant) -> Vec<Arc<Backend>> {
+    let hold = Duration::from_millis(g.cfg.activator.hold_ms);
+    if hold.is_zero() {
+        return Vec::new();
+    }
+    let until = (out.arrived + hold).min(deadline);
+    pool.held.fetch_add(1, Ordering::Relaxed);
+    let order = loop {
+        let o = pool.order(&out.ids);
+        if !o.is_empty() || Instant::now() >= until {
+            break o;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    pool.held.fetch_sub(1, Ordering::Relaxed);
+    order
+}
+
 /// Send `out` through `pool`, retrying before the first byte; answer the client.
 pub async fn forward(
     g: Arc<Gateway>,
@@ -140,14 +162,22 @@ pub async fn forward(
     let t = g.cfg.timeouts;
     let deadline = out.arrived + Duration::from_millis(t.total_ms);
     let first_byte = Duration::from_millis(t.first_byte_ms);
-    let order = pool.order(&out.ids);
+    let order = match pool.order(&out.ids) {
+        o if o.is_empty() => hold(&g, pool, &out, deadline).await,
+        o => o,
+    };
     let status_of = |resp: &Response| resp.status().as_u16();
     if order.is_empty() {
         let e = ApiError::unavailable(format!("no healthy backend serves `{}`", out.model));
         g.metrics
             .request(&out.key, &out.model, "", e.status.as_u16());
         reservation.settle(0); // nothing was sent
-        return e.into_response();
+        let mut resp = e.into_response();
+        if g.cfg.activator.hold_ms > 0 {
+            let after = HeaderValue::from(g.cfg.activator.retry_after_s);
+            resp.headers_mut().insert(header::RETRY_AFTER, after);
+        }
+        return resp;
     }
     g.metrics.added(out.arrived.elapsed());
     let mut last: Option<Failed> = None;
@@ -164,12 +194,12 @@ pub async fn forward(
         // The next backend in the policy's order whose breaker lets it through.
         let now = g.clock.now();
         let Some(b) = (0..order.len())
-            .map(|k| &pool.backends[order[(next + k) % order.len()]])
+            .map(|k| &order[(next + k) % order.len()])
             .position(|b| b.breaker().allow(now))
             .map(|k| {
                 let i = (next + k) % order.len();
                 next = i + 1;
-                pool.backends[order[i]].clone()
+                order[i].clone()
             })
         else {
             break;

@@ -16,7 +16,7 @@
 //! are skipped when a request is sent (see `proxy`).
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, RwLock};
 
 use p09_kv_manager::prefix_hash::{block_hashes, Xxh3BlockHasher};
 
@@ -61,13 +61,16 @@ pub struct Affinity {
     pub max_imbalance: usize,
 }
 
-/// One model's backends and policy.
+/// One model's backends and policy. The backends can change while the
+/// gateway runs (a platform's discovery sets them: [`Pool::set_urls`]).
 #[derive(Debug)]
 pub struct Pool {
-    pub backends: Vec<std::sync::Arc<Backend>>,
+    backends: RwLock<Vec<Arc<Backend>>>,
     pub policy: Policy,
     pub affinity: Affinity,
     next: AtomicUsize,
+    /// Requests waiting for a first backend (the activator's hold).
+    pub held: AtomicUsize,
 }
 
 /// The affinity key of a prompt: the chained hash of the full blocks within
@@ -89,21 +92,61 @@ fn rendezvous(key: u64, url: &str) -> u64 {
 }
 
 impl Pool {
-    pub fn new(backends: Vec<std::sync::Arc<Backend>>, policy: Policy, affinity: Affinity) -> Pool {
+    pub fn new(backends: Vec<Arc<Backend>>, policy: Policy, affinity: Affinity) -> Pool {
         Pool {
-            backends,
+            backends: RwLock::new(backends),
             policy,
             affinity,
             next: AtomicUsize::new(0),
+            held: AtomicUsize::new(0),
         }
+    }
+
+    /// The backends now.
+    pub fn backends(&self) -> Vec<Arc<Backend>> {
+        self.backends
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Serve through exactly `urls`: a backend already here keeps its
+    /// counters and breaker, a new one starts healthy, a missing one is
+    /// dropped (requests in flight to it finish). Whether anything changed.
+    pub fn set_urls(&self, urls: &[String], breaker: BreakerConfig) -> bool {
+        let mut b = self.backends.write().unwrap_or_else(|p| p.into_inner());
+        let want: Vec<String> = urls
+            .iter()
+            .map(|u| u.trim_end_matches('/').to_string())
+            .collect();
+        if b.iter().map(|x| &x.url).eq(want.iter()) {
+            return false;
+        }
+        let next: Vec<Arc<Backend>> = want
+            .iter()
+            .map(|u| match b.iter().find(|x| &x.url == u) {
+                Some(x) => x.clone(),
+                None => Arc::new(Backend::new(u, breaker)),
+            })
+            .collect();
+        *b = next;
+        true
     }
 
     /// Healthy backends in the order to try them for a prompt of `prompt`
     /// token ids. Empty when every backend is ejected.
-    pub fn order(&self, prompt: &[u32]) -> Vec<usize> {
-        let n = self.backends.len();
+    pub fn order(&self, prompt: &[u32]) -> Vec<Arc<Backend>> {
+        let backends = self.backends();
+        self.order_indices(&backends, prompt)
+            .into_iter()
+            .map(|i| backends[i].clone())
+            .collect()
+    }
+
+    fn order_indices(&self, backends: &[Arc<Backend>], prompt: &[u32]) -> Vec<usize> {
+        let n = backends.len();
         let healthy: Vec<usize> = (0..n)
-            .filter(|&i| self.backends[i].healthy.load(Ordering::Relaxed))
+            .filter(|&i| backends[i].healthy.load(Ordering::Relaxed))
             .collect();
         if healthy.is_empty() {
             return healthy;
@@ -113,7 +156,7 @@ impl Pool {
             let start = self.next.fetch_add(1, Ordering::Relaxed) % v.len();
             v[start..].iter().chain(&v[..start]).copied().collect()
         };
-        let load = |i: usize| self.backends[i].outstanding.load(Ordering::Relaxed);
+        let load = |i: usize| backends[i].outstanding.load(Ordering::Relaxed);
         let by_load = |mut v: Vec<usize>| {
             v.sort_by_key(|&i| load(i)); // stable: ties keep their order
             v
@@ -126,7 +169,7 @@ impl Pool {
                     return by_load(rotated(healthy));
                 };
                 let mut ranked = healthy;
-                ranked.sort_by_key(|&i| std::cmp::Reverse(rendezvous(key, &self.backends[i].url)));
+                ranked.sort_by_key(|&i| std::cmp::Reverse(rendezvous(key, &backends[i].url)));
                 let least = ranked.iter().map(|&i| load(i)).min().unwrap_or(0);
                 if load(ranked[0]) >= least + self.affinity.max_imbalance.max(1) {
                     return by_load(ranked);
@@ -140,7 +183,19 @@ impl Pool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
+
+    /// The order as indices into the pool's backends.
+    fn order(p: &Pool, prompt: &[u32]) -> Vec<usize> {
+        let b = p.backends();
+        p.order(prompt)
+            .iter()
+            .map(|x| b.iter().position(|y| Arc::ptr_eq(x, y)).unwrap())
+            .collect()
+    }
+
+    fn idx(p: &Pool, prompt: &[u32]) -> usize {
+        order(p, prompt)[0]
+    }
 
     fn pool(policy: Policy, n: usize) -> Pool {
         let backends = (0..n)
@@ -165,10 +220,10 @@ mod tests {
     #[test]
     fn round_robin_rotates_and_skips_the_ejected() {
         let p = pool(Policy::RoundRobin, 3);
-        let firsts: Vec<usize> = (0..6).map(|_| p.order(&[])[0]).collect();
+        let firsts: Vec<usize> = (0..6).map(|_| idx(&p, &[])).collect();
         assert_eq!(firsts, [0, 1, 2, 0, 1, 2]);
-        p.backends[1].healthy.store(false, Ordering::Relaxed);
-        let o = p.order(&[]);
+        p.backends()[1].healthy.store(false, Ordering::Relaxed);
+        let o = order(&p, &[]);
         assert_eq!(o.len(), 2);
         assert!(!o.contains(&1));
     }
@@ -176,43 +231,67 @@ mod tests {
     #[test]
     fn least_outstanding_goes_to_the_idlest() {
         let p = pool(Policy::LeastOutstanding, 3);
-        p.backends[0].outstanding.store(5, Ordering::Relaxed);
-        p.backends[1].outstanding.store(1, Ordering::Relaxed);
-        p.backends[2].outstanding.store(3, Ordering::Relaxed);
-        assert_eq!(p.order(&[]), [1, 2, 0]);
+        p.backends()[0].outstanding.store(5, Ordering::Relaxed);
+        p.backends()[1].outstanding.store(1, Ordering::Relaxed);
+        p.backends()[2].outstanding.store(3, Ordering::Relaxed);
+        assert_eq!(order(&p, &[]), [1, 2, 0]);
     }
 
     #[test]
     fn a_shared_prefix_sticks_to_one_backend_and_spreads_across_prefixes() {
         let p = pool(Policy::PrefixAffinity, 4);
         let with = |head: u32, tail: u32| [head, head, head, head, 7, 7, 7, 7, tail, tail];
-        let first = p.order(&with(1, 0))[0];
+        let first = idx(&p, &with(1, 0));
         for tail in 1..20 {
             assert_eq!(
-                p.order(&with(1, tail))[0],
+                idx(&p, &with(1, tail)),
                 first,
                 "the tail past 8 tokens is ignored"
             );
         }
         let used: std::collections::HashSet<usize> =
-            (0..64).map(|h| p.order(&with(h, 0))[0]).collect();
+            (0..64).map(|h| idx(&p, &with(h, 0))).collect();
         assert!(
             used.len() >= 3,
             "64 prefixes over 4 backends used only {used:?}"
         );
         // A busy choice gives way.
-        p.backends[first].outstanding.store(3, Ordering::Relaxed);
-        assert_ne!(p.order(&with(1, 0))[0], first);
+        p.backends()[first].outstanding.store(3, Ordering::Relaxed);
+        assert_ne!(idx(&p, &with(1, 0)), first);
+    }
+
+    #[test]
+    fn set_urls_keeps_the_backends_it_had_and_their_counters() {
+        let p = pool(Policy::RoundRobin, 2);
+        p.backends()[1].outstanding.store(4, Ordering::Relaxed);
+        let urls = ["http://b1".to_string(), "http://b9".to_string()];
+        assert!(p.set_urls(&urls, BreakerConfig::default()));
+        let b = p.backends();
+        assert_eq!(
+            b.iter().map(|x| x.url.as_str()).collect::<Vec<_>>(),
+            ["http://b1", "http://b9"]
+        );
+        assert_eq!(
+            b[0].outstanding.load(Ordering::Relaxed),
+            4,
+            "b1 kept its count"
+        );
+        assert!(
+            !p.set_urls(&urls, BreakerConfig::default()),
+            "no change the second time"
+        );
+        assert!(p.set_urls(&[], BreakerConfig::default()));
+        assert!(p.order(&[]).is_empty());
     }
 
     #[test]
     fn an_ejected_backend_moves_only_its_own_prefixes() {
         let p = pool(Policy::PrefixAffinity, 4);
         let prompt = |h: u32| vec![h; 8];
-        let before: Vec<usize> = (0..64).map(|h| p.order(&prompt(h))[0]).collect();
-        p.backends[2].healthy.store(false, Ordering::Relaxed);
+        let before: Vec<usize> = (0..64).map(|h| idx(&p, &prompt(h))).collect();
+        p.backends()[2].healthy.store(false, Ordering::Relaxed);
         for (h, &b) in before.iter().enumerate() {
-            let now = p.order(&prompt(h as u32))[0];
+            let now = idx(&p, &prompt(h as u32));
             if b != 2 {
                 assert_eq!(now, b, "prefix {h} moved though its backend stayed");
             } else {

@@ -114,7 +114,7 @@ impl Gateway {
             .routes
             .iter()
             .flat_map(|(m, r)| {
-                r.pool.backends.iter().map(move |b| {
+                r.pool.backends().into_iter().map(move |b| {
                     (
                         m.clone(),
                         b.url.clone(),

@@ -295,7 +295,7 @@ async fn failures_are_retried_on_another_backend_before_the_first_byte() {
     // Every backend ejected: a 503 at once, and the key is charged nothing.
     let cfg = config(&[&good.url], "round-robin", "tokens_per_minute = 1000", "");
     let (url, g) = gateway(cfg, Arc::new(SystemClock::default()), false).await;
-    g.routes[MODEL].pool.backends[0]
+    g.routes[MODEL].pool.backends()[0]
         .healthy
         .store(false, std::sync::atomic::Ordering::Relaxed);
     let r = post(

@@ -40,6 +40,30 @@ pub struct Kv {
     pub key: String,
     pub value: Vec<u8>,
     pub mod_revision: i64,
+    /// The revision that created the key (0 in a watch's delete events).
+    pub create_revision: i64,
+    /// The lease the key is attached to (0: none).
+    pub lease: i64,
+}
+
+/// One condition of a transaction (etcd's `Compare`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Compare {
+    /// The key was created at this revision (0: the key does not exist).
+    /// A leader's fencing token is its key's creation revision: once the
+    /// key is gone or recreated by another leader, the compare fails.
+    CreateRevision(String, i64),
+}
+
+/// One operation of a transaction.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Op {
+    Put {
+        key: String,
+        value: Vec<u8>,
+        lease: Option<i64>,
+    },
+    Delete(String),
 }
 
 /// A change seen by a watch.
@@ -87,16 +111,22 @@ struct RawKv {
     value: String,
     #[serde(default)]
     mod_revision: Option<Value>,
+    #[serde(default)]
+    create_revision: Option<Value>,
+    #[serde(default)]
+    lease: Option<Value>,
 }
 
 fn decode_kv(raw: RawKv) -> Option<Kv> {
     let key = String::from_utf8(B64.decode(raw.key).ok()?).ok()?;
     let value = B64.decode(raw.value).ok()?;
-    let mod_revision = raw.mod_revision.as_ref().and_then(num).unwrap_or(0);
+    let rev = |v: &Option<Value>| v.as_ref().and_then(num).unwrap_or(0);
     Some(Kv {
         key,
         value,
-        mod_revision,
+        mod_revision: rev(&raw.mod_revision),
+        create_revision: rev(&raw.create_revision),
+        lease: rev(&raw.lease),
     })
 }
 
@@ -202,6 +232,56 @@ impl Etcd {
             .call("/v3/kv/deleterange", json!({ "key": b64(key.as_bytes()) }))
             .await?;
         Ok(v.get("deleted").and_then(num).unwrap_or(0) > 0)
+    }
+
+    /// If every compare holds, do `ops` atomically: whether it did, and
+    /// the store's revision after it (etcd's `Txn`; the failure branch is
+    /// empty).
+    pub async fn txn(&self, compares: &[Compare], ops: &[Op]) -> Result<(bool, i64), EtcdError> {
+        let compare: Vec<Value> = compares
+            .iter()
+            .map(|c| match c {
+                Compare::CreateRevision(k, r) => json!({
+                    "key": b64(k.as_bytes()), "target": "CREATE", "result": "EQUAL",
+                    "create_revision": r.to_string(),
+                }),
+            })
+            .collect();
+        let success: Vec<Value> = ops
+            .iter()
+            .map(|o| match o {
+                Op::Put { key, value, lease } => {
+                    let mut p = json!({ "key": b64(key.as_bytes()), "value": b64(value) });
+                    if let Some(l) = lease {
+                        p["lease"] = json!(l.to_string());
+                    }
+                    json!({ "request_put": p })
+                }
+                Op::Delete(k) => json!({ "request_delete_range": { "key": b64(k.as_bytes()) } }),
+            })
+            .collect();
+        let v = self
+            .call(
+                "/v3/kv/txn",
+                json!({ "compare": compare, "success": success }),
+            )
+            .await?;
+        let ok = v.get("succeeded").and_then(Value::as_bool).unwrap_or(false);
+        let rev = v.pointer("/header/revision").and_then(num).unwrap_or(0);
+        Ok((ok, rev))
+    }
+
+    /// One key, if it exists.
+    pub async fn get(&self, key: &str) -> Result<Option<Kv>, EtcdError> {
+        let v = self
+            .call("/v3/kv/range", json!({ "key": b64(key.as_bytes()) }))
+            .await?;
+        let first = v
+            .pointer("/kvs/0")
+            .cloned()
+            .and_then(|k| serde_json::from_value::<RawKv>(k).ok())
+            .and_then(decode_kv);
+        Ok(first)
     }
 
     /// Every key under `prefix`, and the store's revision.

@@ -1,13 +1,21 @@
 //! Project 15: the platform. A declared [`spec::ModelDeployment`] (YAML)
 //! is written to etcd as the desired state ([`store`]); the autoscaler
 //! ([`kpa`], Knative's KPA rules) turns the fleet's load into a replica
-//! count. In progress: node agents, the leader-elected controller that
-//! reconciles desired against actual state, the router, rollouts, the
-//! dashboard and the demo.
+//! count. Node agents ([`agent`]) run the model servers ([`server`]) a
+//! leader-elected controller ([`controller`], [`election`]) assigns by
+//! reconciling desired against actual state ([`reconcile`], [`state`]);
+//! the router ([`router`]) follows the endpoints the controller publishes.
+//! In progress: the dashboard, the Kubernetes operator, the demo.
 //!
 //!   cargo run --release -p p15_platform -- apply -f p15_platform/examples/smollm2.yaml --etcd http://127.0.0.1:2379
 
+pub mod agent;
+pub mod controller;
+pub mod election;
 pub mod kpa;
 pub mod reconcile;
+pub mod router;
+pub mod server;
 pub mod spec;
+pub mod state;
 pub mod store;

@@ -3,12 +3,21 @@
 //!   p15_platform apply -f deploy.yaml     write a deployment (desired state) to etcd
 //!   p15_platform get [NAME] [-o yaml]     read it back
 //!   p15_platform delete NAME
-//!   p15_platform status                   every deployment, as a table
+//!   p15_platform status                   every deployment, as a table, and where its servers run
+//!   p15_platform agent --node n1          a node agent (one per host)
+//!   p15_platform controller --id c1       a controller (several: one leads)
+//!   p15_platform router --config r.toml   the router (Project 12's gateway fed from etcd)
+//!   p15_platform server ...               the model server node agents start
+
+use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use p15_platform::spec::{ModelDeployment, Roles};
+use p15_platform::state::Snapshot;
 use p15_platform::store::{Applied, Store};
+use p15_platform::{agent, controller, router, server};
 
 #[derive(Parser)]
 #[command(about = "Project 15: declared model deployments in etcd, autoscaled")]
@@ -41,8 +50,55 @@ enum Cmd {
     },
     /// Remove a deployment.
     Delete { name: String },
-    /// Every deployment, as a table.
+    /// Every deployment, as a table, and each node's servers.
     Status,
+    /// A node agent: registers the node, runs the servers assigned to it.
+    Agent {
+        #[arg(long)]
+        node: String,
+        /// Servers it hosts at once.
+        #[arg(long, default_value_t = 2)]
+        capacity: u32,
+        /// The address its servers listen on.
+        #[arg(long, default_value = "127.0.0.1")]
+        host: String,
+        /// Seconds without renewal before its node and servers are gone.
+        #[arg(long, default_value_t = 3)]
+        ttl_s: i64,
+        /// Between a drain and SIGTERM (routers' time to drop the endpoint).
+        #[arg(long, default_value_t = 500)]
+        drain_delay_ms: u64,
+        #[arg(long, default_value_t = 30)]
+        shutdown_grace_s: u64,
+        /// Where each server's log goes (default: a temporary directory).
+        #[arg(long)]
+        log_dir: Option<PathBuf>,
+    },
+    /// A controller; several elect one leader through an etcd lease.
+    Controller {
+        #[arg(long)]
+        id: String,
+        /// Lease TTL: a dead leader is replaced within it.
+        #[arg(long, default_value_t = 3)]
+        ttl_s: i64,
+        /// `/metrics` and `/status` here.
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: String,
+    },
+    /// The router: Project 12's gateway, backends from etcd.
+    Router {
+        #[arg(long, default_value = "router")]
+        id: String,
+        /// A Project 12 gateway config; its models are deployments.
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long)]
+        listen: Option<String>,
+        #[arg(long, default_value_t = 3)]
+        ttl_s: i64,
+    },
+    /// The model server a node agent runs (Project 10's).
+    Server(server::ServerArgs),
 }
 
 fn roles(r: &Roles) -> String {
@@ -52,10 +108,20 @@ fn roles(r: &Roles) -> String {
     }
 }
 
-#[tokio::main(flavor = "current_thread")]
-async fn main() -> Result<()> {
+fn main() -> Result<()> {
     let cli = Cli::parse();
-    let store = Store::new(cli.etcd.split(',').map(|s| s.trim().to_string()).collect());
+    if let Cmd::Server(a) = cli.cmd {
+        return server::run(a);
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(run(cli))
+}
+
+async fn run(cli: Cli) -> Result<()> {
+    let endpoints: Vec<String> = cli.etcd.split(',').map(|s| s.trim().to_string()).collect();
+    let store = Store::new(endpoints.clone());
     match cli.cmd {
         Cmd::Apply { file } => {
             let name = file.display().to_string();
@@ -108,7 +174,61 @@ async fn main() -> Result<()> {
                 );
             }
             println!("{} deployment(s) at etcd revision {rev}", all.len());
+            let etcd = p14_distributed::etcd::Etcd::new(endpoints, Duration::from_secs(5));
+            let snap = Snapshot::read(&etcd).await?;
+            print!("{}", p15_platform::state::servers_table(&snap));
         }
+        Cmd::Agent {
+            node,
+            capacity,
+            host,
+            ttl_s,
+            drain_delay_ms,
+            shutdown_grace_s,
+            log_dir,
+        } => {
+            let log_dir =
+                log_dir.unwrap_or_else(|| std::env::temp_dir().join(format!("p15-agent-{node}")));
+            let cfg = agent::AgentConfig {
+                node,
+                capacity,
+                host,
+                etcd: endpoints,
+                ttl_s,
+                exe: std::env::current_exe()?,
+                drain_delay: Duration::from_millis(drain_delay_ms),
+                shutdown_grace_s,
+                log_dir,
+            };
+            agent::Agent::new(cfg).run().await?;
+        }
+        Cmd::Controller { id, ttl_s, listen } => {
+            let listener = tokio::net::TcpListener::bind(&listen)
+                .await
+                .with_context(|| format!("bind {listen}"))?;
+            println!("controller {id} http on http://{}", listener.local_addr()?);
+            let c = controller::Controller::new(controller::ControllerConfig {
+                id,
+                etcd: endpoints,
+                ttl_s,
+            });
+            tokio::spawn(controller::serve_http(c.report.clone(), listener));
+            c.run().await?;
+        }
+        Cmd::Router {
+            id,
+            config,
+            listen,
+            ttl_s,
+        } => {
+            let rc = router::RouterConfig {
+                id,
+                etcd: endpoints,
+                ttl_s,
+            };
+            router::run(rc, &config, listen).await?;
+        }
+        Cmd::Server(_) => unreachable!("handled before the runtime starts"),
     }
     Ok(())
 }

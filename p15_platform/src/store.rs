@@ -12,6 +12,9 @@ use thiserror::Error;
 use crate::spec::{ModelDeployment, SpecError};
 
 pub const PREFIX: &str = "/inference-lab/p15/deployments/";
+/// Everything of the platform's in etcd is under this (one range read
+/// over it is a consistent snapshot: see [`crate::state`]).
+pub const ROOT: &str = "/inference-lab/p15/";
 
 #[derive(Debug, Error)]
 pub enum StoreError {
@@ -96,7 +99,7 @@ impl Store {
     }
 }
 
-fn decode(key: &str, value: &[u8], mod_revision: i64) -> Result<Stored, StoreError> {
+pub(crate) fn decode(key: &str, value: &[u8], mod_revision: i64) -> Result<Stored, StoreError> {
     let stored = |message: String| StoreError::Stored {
         key: key.to_string(),
         message,

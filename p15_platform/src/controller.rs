@@ -1,0 +1,484 @@
+//! The controller: a leader-elected, level-triggered reconcile loop.
+//!
+//! ```text
+//! every tick (250 ms):
+//!   election step (renew, or campaign)             not leader: stop here
+//!   snapshot = one range read of the whole state   (one revision)
+//!   once a second: scrape the ready servers' /metrics and the routers'
+//!     held requests; feed each deployment's KPA; decide its replica count
+//!   plan = reconcile::plan(wants, actual, live nodes)
+//!   each action as a fenced txn:
+//!     Start  -> put assign/<node>/<id>   if the key does not exist yet
+//!     Drain  -> put the assignment with drain = true
+//!     Remove -> delete the assignment
+//!   endpoints/<deployment>/<id> = ready, not draining servers (fenced)
+//! ```
+//!
+//! Nothing is carried from one tick to the next but the autoscalers'
+//! windows: a restarted or newly elected controller rebuilds its picture
+//! from etcd, and a missed watch event cannot leave it wrong.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use p14_distributed::etcd::{Compare, Etcd, Op};
+
+use crate::election::{fenced, fenced_if, Candidate, Fence};
+use crate::kpa::{Decision, Kpa, KpaSpec};
+use crate::reconcile::{plan, Action};
+use crate::spec::Metric;
+use crate::state::{self, assign_key, endpoint_key, Assignment, Snapshot, ENDPOINTS};
+
+#[derive(Clone, Debug)]
+pub struct ControllerConfig {
+    pub id: String,
+    pub etcd: Vec<String>,
+    pub ttl_s: i64,
+}
+
+/// What the controller exposes on `/metrics` and `/status`.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    pub leader: bool,
+    pub reconciles: u64,
+    pub reconcile_seconds_sum: f64,
+    pub actions: BTreeMap<&'static str, u64>,
+    /// Actions refused by etcd because the fence no longer held.
+    pub fenced_out: u64,
+    /// By deployment: the last decision, ready and total servers.
+    pub decisions: BTreeMap<String, Decision>,
+    pub ready: BTreeMap<String, u32>,
+    pub servers: BTreeMap<String, u32>,
+    pub metric_value: BTreeMap<String, f64>,
+    pub snapshot: Option<Snapshot>,
+}
+
+#[derive(Debug)]
+pub struct Controller {
+    cfg: ControllerConfig,
+    etcd: Etcd,
+    http: reqwest::Client,
+    candidate: Candidate,
+    t0: Instant,
+    kpa: BTreeMap<String, Kpa>,
+    last_scrape: Option<Instant>,
+    pub report: Arc<Mutex<Report>>,
+}
+
+fn gauge(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+impl Controller {
+    pub fn new(cfg: ControllerConfig) -> Controller {
+        let etcd = Etcd::new(cfg.etcd.clone(), Duration::from_secs(2));
+        let candidate = Candidate::new(etcd.clone(), &cfg.id, cfg.ttl_s);
+        Controller {
+            cfg,
+            etcd,
+            http: reqwest::Client::new(),
+            candidate,
+            t0: Instant::now(),
+            kpa: BTreeMap::new(),
+            last_scrape: None,
+            report: Arc::new(Mutex::new(Report::default())),
+        }
+    }
+
+    fn report(&self) -> std::sync::MutexGuard<'_, Report> {
+        self.report.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub async fn run(mut self) -> anyhow::Result<()> {
+        println!("controller {} ready", self.cfg.id);
+        let mut was_leader = false;
+        loop {
+            match self.tick().await {
+                Ok(leader) if leader != was_leader => {
+                    println!("controller {} leader={leader}", self.cfg.id);
+                    was_leader = leader;
+                }
+                Ok(_) => {}
+                Err(e) => eprintln!("controller {}: {e:#}", self.cfg.id),
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    /// One pass; whether this controller leads.
+    pub async fn tick(&mut self) -> anyhow::Result<bool> {
+        let Some(fence) = self.candidate.step().await? else {
+            self.report().leader = false;
+            return Ok(false);
+        };
+        let t = Instant::now();
+        let snap = Snapshot::read(&self.etcd).await?;
+        let replicas = self.autoscale(&snap).await;
+        let wants = state::wants(&snap, &replicas);
+        let p = plan(&wants, &snap.actual(), &snap.live_nodes());
+        let mut done = 0;
+        let mut refused = 0;
+        for a in &p.actions {
+            match self.act(fence, &snap, a).await? {
+                true => done += 1,
+                false => refused += 1,
+            }
+        }
+        refused += self.publish_endpoints(fence, &snap).await?;
+        let mut r = self.report();
+        r.leader = true;
+        r.reconciles += 1;
+        r.reconcile_seconds_sum += t.elapsed().as_secs_f64();
+        for a in &p.actions {
+            let k = match a {
+                Action::Start { .. } => "start",
+                Action::Drain { .. } => "drain",
+                Action::Remove { .. } => "remove",
+            };
+            *r.actions.entry(k).or_default() += 1;
+        }
+        r.fenced_out += refused;
+        let _ = done;
+        for w in &wants {
+            let mine = snap.actual().into_iter().filter(|s| s.deployment == w.name);
+            r.servers.insert(w.name.clone(), mine.count() as u32);
+        }
+        r.snapshot = Some(snap);
+        Ok(true)
+    }
+
+    /// Do one action, fenced: whether etcd took it.
+    async fn act(&self, fence: Fence, snap: &Snapshot, a: &Action) -> anyhow::Result<bool> {
+        match a {
+            Action::Start {
+                id,
+                deployment,
+                generation,
+                node,
+            } => {
+                let Some(d) = snap.deployment(deployment) else {
+                    return Ok(false);
+                };
+                let asg = Assignment {
+                    id: id.clone(),
+                    deployment: deployment.clone(),
+                    generation: *generation,
+                    node: node.clone(),
+                    model: d.model.clone(),
+                    weights: d.weights,
+                    drain: false,
+                };
+                let key = assign_key(node, id);
+                let put = Op::Put {
+                    key: key.clone(),
+                    value: serde_json::to_vec(&asg)?,
+                    lease: None,
+                };
+                // Not there yet: a second start of one id does nothing.
+                let absent = Compare::CreateRevision(key, 0);
+                Ok(fenced_if(&self.etcd, fence, &[absent], &[put]).await?)
+            }
+            Action::Drain { id } => {
+                let Some(asg) = snap.assignment(id) else {
+                    return Ok(false);
+                };
+                let mut asg = asg.clone();
+                asg.drain = true;
+                let ops = [
+                    Op::Delete(endpoint_key(&asg.deployment, id)),
+                    Op::Put {
+                        key: assign_key(&asg.node, id),
+                        value: serde_json::to_vec(&asg)?,
+                        lease: None,
+                    },
+                ];
+                Ok(fenced(&self.etcd, fence, &ops).await?)
+            }
+            Action::Remove { id } => {
+                let Some(asg) = snap.assignment(id) else {
+                    return Ok(false);
+                };
+                let ops = [
+                    Op::Delete(endpoint_key(&asg.deployment, id)),
+                    Op::Delete(assign_key(&asg.node, id)),
+                ];
+                Ok(fenced(&self.etcd, fence, &ops).await?)
+            }
+        }
+    }
+
+    /// Make endpoints/ hold exactly the ready, not draining servers; the
+    /// number of writes refused by the fence.
+    async fn publish_endpoints(&self, fence: Fence, snap: &Snapshot) -> anyhow::Result<u64> {
+        let want: BTreeSet<(String, String, String)> = snap
+            .ready_endpoints()
+            .into_iter()
+            .flat_map(|(d, v)| v.into_iter().map(move |(id, url)| (d.clone(), id, url)))
+            .collect();
+        let have: BTreeSet<(String, String, String)> = snap
+            .endpoints
+            .iter()
+            .flat_map(|(d, v)| {
+                v.iter()
+                    .map(move |(id, url)| (d.clone(), id.clone(), url.clone()))
+            })
+            .collect();
+        let mut ops = Vec::new();
+        for (d, id, url) in want.difference(&have) {
+            ops.push(Op::Put {
+                key: endpoint_key(d, id),
+                value: url.as_bytes().to_vec(),
+                lease: None,
+            });
+        }
+        for (d, id, _) in have.difference(&want) {
+            if !want.iter().any(|(d2, id2, _)| d2 == d && id2 == id) {
+                ops.push(Op::Delete(format!("{ENDPOINTS}{d}/{id}")));
+            }
+        }
+        if ops.is_empty() {
+            return Ok(0);
+        }
+        Ok(u64::from(!fenced(&self.etcd, fence, &ops).await?))
+    }
+
+    /// Each deployment's replica count from its KPA, fed once a second.
+    async fn autoscale(&mut self, snap: &Snapshot) -> BTreeMap<String, u32> {
+        let now = self.t0.elapsed();
+        let names: BTreeSet<String> = snap
+            .deployments
+            .iter()
+            .map(|d| d.deployment.name.clone())
+            .collect();
+        self.kpa.retain(|n, _| names.contains(n));
+        for st in &snap.deployments {
+            let spec = KpaSpec::of(&st.deployment);
+            let k = self
+                .kpa
+                .entry(st.deployment.name.clone())
+                .or_insert_with(|| Kpa::new(spec.clone()));
+            if *k.spec() != spec {
+                *k = Kpa::new(spec);
+            }
+        }
+        let due = self
+            .last_scrape
+            .is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
+        let ready = snap.ready_endpoints();
+        if due {
+            self.last_scrape = Some(Instant::now());
+            let held = self.held(snap).await;
+            for st in &snap.deployments {
+                let d = &st.deployment;
+                let mut value = held.get(&d.name).copied().unwrap_or(0.0);
+                for (_, url) in ready.get(&d.name).into_iter().flatten() {
+                    value += self.scrape(url, d.autoscaling.metric).await;
+                }
+                if let Some(k) = self.kpa.get_mut(&d.name) {
+                    k.record(now, value);
+                }
+                self.report().metric_value.insert(d.name.clone(), value);
+            }
+        }
+        let mut out = BTreeMap::new();
+        for st in &snap.deployments {
+            let d = &st.deployment;
+            let n_ready = ready.get(&d.name).map_or(0, |v| v.len()) as u32;
+            let Some(k) = self.kpa.get_mut(&d.name) else {
+                continue;
+            };
+            let keep = snap
+                .actual()
+                .iter()
+                .filter(|s| s.deployment == d.name)
+                .count() as u32;
+            let desired = match (due, k.decide(now, n_ready)) {
+                (true, Some(dec)) => {
+                    let n = dec.desired;
+                    self.report().decisions.insert(d.name.clone(), dec);
+                    n
+                }
+                _ => match self.report().decisions.get(&d.name) {
+                    Some(dec) => dec.desired,
+                    None => keep.max(d.replicas.min),
+                },
+            };
+            self.report().ready.insert(d.name.clone(), n_ready);
+            out.insert(d.name.clone(), desired);
+        }
+        out
+    }
+
+    /// One server's load for `metric` (0 if it does not answer in time).
+    async fn scrape(&self, url: &str, metric: Metric) -> f64 {
+        let text = match self
+            .http
+            .get(format!("{url}/metrics"))
+            .timeout(Duration::from_millis(500))
+            .send()
+            .await
+        {
+            Ok(r) => r.text().await.unwrap_or_default(),
+            Err(_) => return 0.0,
+        };
+        let running = gauge(&text, "vllm:num_requests_running");
+        let waiting = gauge(&text, "vllm:num_requests_waiting");
+        match metric {
+            Metric::Concurrency => running + waiting,
+            Metric::Queue => waiting,
+            Metric::KvUsage => gauge(&text, "vllm:gpu_cache_usage_perc"),
+        }
+    }
+
+    /// Requests the routers hold for deployments with no ready server
+    /// (Knative's activator reports these, so zero can scale up).
+    async fn held(&self, snap: &Snapshot) -> BTreeMap<String, f64> {
+        let mut out: BTreeMap<String, f64> = BTreeMap::new();
+        for r in &snap.routers {
+            let got = self
+                .http
+                .get(format!("{}/p15/held", r.url))
+                .timeout(Duration::from_millis(500))
+                .send()
+                .await;
+            let Ok(resp) = got else { continue };
+            let Ok(m) = resp.json::<BTreeMap<String, f64>>().await else {
+                continue;
+            };
+            for (d, n) in m {
+                *out.entry(d).or_default() += n;
+            }
+        }
+        out
+    }
+}
+
+/// The controller's `/metrics` page (Prometheus text).
+pub fn render_metrics(r: &Report) -> String {
+    use std::fmt::Write;
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "# TYPE p15_controller_leader gauge\np15_controller_leader {}",
+        r.leader as u8
+    );
+    let _ = writeln!(
+        o,
+        "# TYPE p15_reconcile_total counter\np15_reconcile_total {}",
+        r.reconciles
+    );
+    let _ = writeln!(
+        o,
+        "# TYPE p15_reconcile_seconds_sum counter\np15_reconcile_seconds_sum {:.6}",
+        r.reconcile_seconds_sum
+    );
+    let _ = writeln!(o, "# TYPE p15_reconcile_actions_total counter");
+    for (k, n) in &r.actions {
+        let _ = writeln!(o, "p15_reconcile_actions_total{{action=\"{k}\"}} {n}");
+    }
+    let _ = writeln!(
+        o,
+        "# TYPE p15_fenced_out_total counter\np15_fenced_out_total {}",
+        r.fenced_out
+    );
+    let _ = writeln!(o, "# TYPE p15_replicas_desired gauge");
+    for (d, dec) in &r.decisions {
+        let _ = writeln!(
+            o,
+            "p15_replicas_desired{{deployment=\"{d}\"}} {}",
+            dec.desired
+        );
+        let _ = writeln!(
+            o,
+            "p15_autoscaler_panic{{deployment=\"{d}\"}} {}",
+            dec.panicking as u8
+        );
+        let _ = writeln!(
+            o,
+            "p15_autoscaler_stable_value{{deployment=\"{d}\"}} {:.3}",
+            dec.stable_value
+        );
+        let _ = writeln!(
+            o,
+            "p15_autoscaler_panic_value{{deployment=\"{d}\"}} {:.3}",
+            dec.panic_value
+        );
+    }
+    let _ = writeln!(o, "# TYPE p15_replicas_ready gauge");
+    for (d, n) in &r.ready {
+        let _ = writeln!(o, "p15_replicas_ready{{deployment=\"{d}\"}} {n}");
+    }
+    for (d, n) in &r.servers {
+        let _ = writeln!(o, "p15_servers{{deployment=\"{d}\"}} {n}");
+    }
+    for (d, v) in &r.metric_value {
+        let _ = writeln!(o, "p15_autoscaler_metric{{deployment=\"{d}\"}} {v:.3}");
+    }
+    o
+}
+
+/// The controller's HTTP face: `/metrics` (the fleet, Prometheus text)
+/// and `/status` (each node's servers, JSON).
+pub async fn serve_http(
+    report: Arc<Mutex<Report>>,
+    listener: tokio::net::TcpListener,
+) -> anyhow::Result<()> {
+    use axum::routing::get;
+    let r1 = report.clone();
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let r = r1.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                async move { render_metrics(&r) }
+            }),
+        )
+        .route(
+            "/status",
+            get(move || {
+                let r = report.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                async move { axum::Json(status_json(&r)) }
+            }),
+        );
+    axum::serve(listener, app).await?;
+    Ok(())
+}
+
+/// Each deployment's desired and ready count, and each server where it runs.
+pub fn status_json(r: &Report) -> serde_json::Value {
+    let servers: Vec<serde_json::Value> = r
+        .snapshot
+        .iter()
+        .flat_map(|s| {
+            s.assignments.iter().map(|a| {
+                let st = s.servers.get(&a.id);
+                serde_json::json!({
+                    "id": a.id, "deployment": a.deployment, "node": a.node,
+                    "generation": a.generation, "drain": a.drain,
+                    "phase": st.map(|s| format!("{:?}", s.phase)).unwrap_or_else(|| "Assigned".into()),
+                    "url": st.and_then(|s| s.url.clone()),
+                    "cold_start_ms": st.and_then(|s| s.cold_start_ms),
+                })
+            })
+        })
+        .collect();
+    let deployments: serde_json::Map<String, serde_json::Value> = r
+        .decisions
+        .iter()
+        .map(|(d, dec)| {
+            (
+                d.clone(),
+                serde_json::json!({
+                    "desired": dec.desired, "panicking": dec.panicking,
+                    "ready": r.ready.get(d).copied().unwrap_or(0),
+                    "metric": r.metric_value.get(d).copied().unwrap_or(0.0),
+                }),
+            )
+        })
+        .collect();
+    serde_json::json!({ "leader": r.leader, "deployments": deployments, "servers": servers })
+}
