@@ -371,6 +371,17 @@ mod tests {
     }
 
     #[test]
+    fn a_model_may_list_no_backends_only_with_an_activator_hold() {
+        let empty = OK.replace("backends = [\"http://127.0.0.1:1\"]", "backends = []");
+        let e = Config::parse(&empty, "t").unwrap_err();
+        assert!(e.to_string().contains("models[0].backends"), "{e}");
+        let held = format!("[activator]\nhold_ms = 1000\n{empty}");
+        let c = Config::parse(&held, "t").unwrap();
+        assert_eq!(c.activator.hold_ms, 1000);
+        assert!(c.models[0].backends.is_empty());
+    }
+
+    #[test]
     fn mistakes_name_their_field() {
         assert!(Config::parse(OK, "t").is_ok());
         let cases = [

@@ -53,7 +53,12 @@ pub struct AgentConfig {
     /// Seconds a draining server's streams get before it is killed.
     pub shutdown_grace_s: u64,
     pub log_dir: PathBuf,
+    /// Where to publish each server's phase changes (NATS), if anywhere.
+    pub nats: Option<String>,
 }
+
+/// The NATS subject of server phase changes (a [`ServerStatus`] as JSON).
+pub const EVENTS: &str = "inference-lab.p15.events";
 
 #[derive(Debug)]
 struct Child {
@@ -78,6 +83,7 @@ pub struct Agent {
     exited: BTreeMap<String, ServerStatus>,
     /// Statuses as last written (only changes are written).
     written: BTreeMap<String, ServerStatus>,
+    events: Option<async_nats::Client>,
 }
 
 impl Agent {
@@ -91,6 +97,7 @@ impl Agent {
             children: BTreeMap::new(),
             exited: BTreeMap::new(),
             written: BTreeMap::new(),
+            events: None,
         }
     }
 
@@ -98,6 +105,21 @@ impl Agent {
     pub async fn run(mut self) -> anyhow::Result<()> {
         std::fs::create_dir_all(&self.cfg.log_dir)
             .with_context(|| format!("creating {}", self.cfg.log_dir.display()))?;
+        if let Some(url) = &self.cfg.nats {
+            // Events are a hint for watchers (the demo's timeline), not a
+            // dependency: without NATS the agent runs as before.
+            let c = async_nats::ConnectOptions::new()
+                .connection_timeout(Duration::from_secs(2))
+                .connect(url.as_str())
+                .await;
+            match c {
+                Ok(c) => self.events = Some(c),
+                Err(e) => eprintln!(
+                    "node agent {}: no NATS at {url} ({e}); no events",
+                    self.cfg.node
+                ),
+            }
+        }
         println!("node agent {} ready", self.cfg.node);
         loop {
             if let Err(e) = self.tick().await {
@@ -273,6 +295,10 @@ impl Agent {
             if self.written.get(id) != Some(st) {
                 let v = serde_json::to_vec(st)?;
                 self.etcd.put(&server_key(id), &v, Some(lease)).await?;
+                let changed = self.written.get(id).is_none_or(|w| w.phase != st.phase);
+                if let (true, Some(nc)) = (changed, &self.events) {
+                    let _ = nc.publish(EVENTS, v.clone().into()).await;
+                }
                 self.written.insert(id.clone(), st.clone());
             }
         }

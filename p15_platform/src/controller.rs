@@ -18,12 +18,13 @@
 //! windows: a restarted or newly elected controller rebuilds its picture
 //! from etcd, and a missed watch event cannot leave it wrong.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use p14_distributed::etcd::{Compare, Etcd, Op};
 
+use crate::dashboard::{buckets, increase, quantile, sum, Point};
 use crate::election::{fenced, fenced_if, Candidate, Fence};
 use crate::kpa::{Decision, Kpa, KpaSpec};
 use crate::reconcile::{plan, Action};
@@ -52,6 +53,8 @@ pub struct Report {
     pub servers: BTreeMap<String, u32>,
     pub metric_value: BTreeMap<String, f64>,
     pub snapshot: Option<Snapshot>,
+    /// By deployment, one point a second (the page's plots).
+    pub history: BTreeMap<String, VecDeque<Point>>,
 }
 
 #[derive(Debug)]
@@ -63,8 +66,26 @@ pub struct Controller {
     t0: Instant,
     kpa: BTreeMap<String, Kpa>,
     last_scrape: Option<Instant>,
+    /// Each ready server's TTFT buckets at the last scrape, by URL.
+    ttft_prev: BTreeMap<String, Vec<(f64, f64)>>,
+    /// By deployment, the last 10 s of TTFT increases.
+    ttft_window: BTreeMap<String, VecDeque<Vec<(f64, f64)>>>,
     pub report: Arc<Mutex<Report>>,
 }
+
+/// A server's load for `metric`, from its `/metrics` page.
+fn load_of(text: &str, metric: Metric) -> f64 {
+    let running = gauge(text, "vllm:num_requests_running");
+    let waiting = gauge(text, "vllm:num_requests_waiting");
+    match metric {
+        Metric::Concurrency => running + waiting,
+        Metric::Queue => waiting,
+        Metric::KvUsage => gauge(text, "vllm:gpu_cache_usage_perc"),
+    }
+}
+
+/// Seconds of history kept for the page.
+const HISTORY: usize = 600;
 
 fn gauge(text: &str, name: &str) -> f64 {
     text.lines()
@@ -85,6 +106,8 @@ impl Controller {
             t0: Instant::now(),
             kpa: BTreeMap::new(),
             last_scrape: None,
+            ttft_prev: BTreeMap::new(),
+            ttft_window: BTreeMap::new(),
             report: Arc::new(Mutex::new(Report::default())),
         }
     }
@@ -269,20 +292,31 @@ impl Controller {
             .last_scrape
             .is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
         let ready = snap.ready_endpoints();
+        let mut ttft: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
         if due {
             self.last_scrape = Some(Instant::now());
             let held = self.held(snap).await;
+            let mut seen = BTreeMap::new();
             for st in &snap.deployments {
                 let d = &st.deployment;
                 let mut value = held.get(&d.name).copied().unwrap_or(0.0);
+                let mut incs = Vec::new();
                 for (_, url) in ready.get(&d.name).into_iter().flatten() {
-                    value += self.scrape(url, d.autoscaling.metric).await;
+                    let text = self.scrape(url).await;
+                    value += load_of(&text, d.autoscaling.metric);
+                    let now_b = buckets(&text, "vllm:time_to_first_token_seconds");
+                    if let Some(before) = self.ttft_prev.get(url) {
+                        incs.push(increase(&now_b, before));
+                    }
+                    seen.insert(url.clone(), now_b);
                 }
+                ttft.insert(d.name.clone(), sum(&incs));
                 if let Some(k) = self.kpa.get_mut(&d.name) {
                     k.record(now, value);
                 }
                 self.report().metric_value.insert(d.name.clone(), value);
             }
+            self.ttft_prev = seen;
         }
         let mut out = BTreeMap::new();
         for st in &snap.deployments {
@@ -296,26 +330,61 @@ impl Controller {
                 .iter()
                 .filter(|s| s.deployment == d.name)
                 .count() as u32;
-            let desired = match (due, k.decide(now, n_ready)) {
-                (true, Some(dec)) => {
+            let decision = if due { k.decide(now, n_ready) } else { None };
+            let desired = match decision {
+                Some(dec) => {
                     let n = dec.desired;
                     self.report().decisions.insert(d.name.clone(), dec);
                     n
                 }
-                _ => match self.report().decisions.get(&d.name) {
+                None => match self.report().decisions.get(&d.name) {
                     Some(dec) => dec.desired,
                     None => keep.max(d.replicas.min),
                 },
             };
             self.report().ready.insert(d.name.clone(), n_ready);
             out.insert(d.name.clone(), desired);
+            if due {
+                let window = self.ttft_window.entry(d.name.clone()).or_default();
+                window.push_back(ttft.remove(&d.name).unwrap_or_default());
+                while window.len() > 10 {
+                    window.pop_front();
+                }
+                let h = sum(&window.iter().cloned().collect::<Vec<_>>());
+                let running = snap
+                    .actual()
+                    .iter()
+                    .filter(|s| {
+                        s.deployment == d.name && s.phase != crate::reconcile::Phase::Failed
+                    })
+                    .count();
+                let mut r = self.report();
+                let load =
+                    r.metric_value.get(&d.name).copied().unwrap_or(0.0) / d.autoscaling.target;
+                let point = Point {
+                    t: now.as_secs_f64(),
+                    desired: desired as f64,
+                    running: running as f64,
+                    ready: n_ready as f64,
+                    load,
+                    ttft_p50: quantile(0.5, &h),
+                    ttft_p99: quantile(0.99, &h),
+                };
+                let hist = r.history.entry(d.name.clone()).or_default();
+                hist.push_back(point);
+                while hist.len() > HISTORY {
+                    hist.pop_front();
+                }
+            }
         }
+        self.report().history.retain(|n, _| names.contains(n));
+        self.ttft_window.retain(|n, _| names.contains(n));
         out
     }
 
-    /// One server's load for `metric` (0 if it does not answer in time).
-    async fn scrape(&self, url: &str, metric: Metric) -> f64 {
-        let text = match self
+    /// One server's `/metrics` page (empty if it does not answer in time).
+    async fn scrape(&self, url: &str) -> String {
+        match self
             .http
             .get(format!("{url}/metrics"))
             .timeout(Duration::from_millis(500))
@@ -323,14 +392,7 @@ impl Controller {
             .await
         {
             Ok(r) => r.text().await.unwrap_or_default(),
-            Err(_) => return 0.0,
-        };
-        let running = gauge(&text, "vllm:num_requests_running");
-        let waiting = gauge(&text, "vllm:num_requests_waiting");
-        match metric {
-            Metric::Concurrency => running + waiting,
-            Metric::Queue => waiting,
-            Metric::KvUsage => gauge(&text, "vllm:gpu_cache_usage_perc"),
+            Err(_) => String::new(),
         }
     }
 
@@ -357,79 +419,134 @@ impl Controller {
     }
 }
 
+/// One metric family: its TYPE line and a sample per label value.
+fn family(o: &mut String, name: &str, kind: &str, label: &str, rows: Vec<(String, String)>) {
+    use std::fmt::Write;
+    let _ = writeln!(o, "# TYPE {name} {kind}");
+    for (l, v) in rows {
+        match label.is_empty() {
+            true => {
+                let _ = writeln!(o, "{name} {v}");
+            }
+            false => {
+                let _ = writeln!(o, "{name}{{{label}=\"{l}\"}} {v}");
+            }
+        }
+    }
+}
+
 /// The controller's `/metrics` page (Prometheus text).
 pub fn render_metrics(r: &Report) -> String {
-    use std::fmt::Write;
     let mut o = String::new();
-    let _ = writeln!(
-        o,
-        "# TYPE p15_controller_leader gauge\np15_controller_leader {}",
-        r.leader as u8
+    let one = |v: String| vec![(String::new(), v)];
+    let by_dep = |f: &dyn Fn(&Decision) -> String| -> Vec<(String, String)> {
+        r.decisions
+            .iter()
+            .map(|(d, dec)| (d.clone(), f(dec)))
+            .collect()
+    };
+    family(
+        &mut o,
+        "p15_controller_leader",
+        "gauge",
+        "",
+        one((r.leader as u8).to_string()),
     );
-    let _ = writeln!(
-        o,
-        "# TYPE p15_reconcile_total counter\np15_reconcile_total {}",
-        r.reconciles
+    family(
+        &mut o,
+        "p15_reconcile_total",
+        "counter",
+        "",
+        one(r.reconciles.to_string()),
     );
-    let _ = writeln!(
-        o,
-        "# TYPE p15_reconcile_seconds_sum counter\np15_reconcile_seconds_sum {:.6}",
-        r.reconcile_seconds_sum
+    let secs = format!("{:.6}", r.reconcile_seconds_sum);
+    family(
+        &mut o,
+        "p15_reconcile_seconds_sum",
+        "counter",
+        "",
+        one(secs),
     );
-    let _ = writeln!(o, "# TYPE p15_reconcile_actions_total counter");
-    for (k, n) in &r.actions {
-        let _ = writeln!(o, "p15_reconcile_actions_total{{action=\"{k}\"}} {n}");
-    }
-    let _ = writeln!(
-        o,
-        "# TYPE p15_fenced_out_total counter\np15_fenced_out_total {}",
-        r.fenced_out
+    let actions = r
+        .actions
+        .iter()
+        .map(|(k, n)| (k.to_string(), n.to_string()))
+        .collect();
+    family(
+        &mut o,
+        "p15_reconcile_actions_total",
+        "counter",
+        "action",
+        actions,
     );
-    let _ = writeln!(o, "# TYPE p15_replicas_desired gauge");
-    for (d, dec) in &r.decisions {
-        let _ = writeln!(
-            o,
-            "p15_replicas_desired{{deployment=\"{d}\"}} {}",
-            dec.desired
-        );
-        let _ = writeln!(
-            o,
-            "p15_autoscaler_panic{{deployment=\"{d}\"}} {}",
-            dec.panicking as u8
-        );
-        let _ = writeln!(
-            o,
-            "p15_autoscaler_stable_value{{deployment=\"{d}\"}} {:.3}",
-            dec.stable_value
-        );
-        let _ = writeln!(
-            o,
-            "p15_autoscaler_panic_value{{deployment=\"{d}\"}} {:.3}",
-            dec.panic_value
-        );
-    }
-    let _ = writeln!(o, "# TYPE p15_replicas_ready gauge");
-    for (d, n) in &r.ready {
-        let _ = writeln!(o, "p15_replicas_ready{{deployment=\"{d}\"}} {n}");
-    }
-    for (d, n) in &r.servers {
-        let _ = writeln!(o, "p15_servers{{deployment=\"{d}\"}} {n}");
-    }
-    for (d, v) in &r.metric_value {
-        let _ = writeln!(o, "p15_autoscaler_metric{{deployment=\"{d}\"}} {v:.3}");
-    }
+    family(
+        &mut o,
+        "p15_fenced_out_total",
+        "counter",
+        "",
+        one(r.fenced_out.to_string()),
+    );
+    let dep = "deployment";
+    family(
+        &mut o,
+        "p15_replicas_desired",
+        "gauge",
+        dep,
+        by_dep(&|d| d.desired.to_string()),
+    );
+    family(
+        &mut o,
+        "p15_autoscaler_panic",
+        "gauge",
+        dep,
+        by_dep(&|d| (d.panicking as u8).to_string()),
+    );
+    family(
+        &mut o,
+        "p15_autoscaler_stable_value",
+        "gauge",
+        dep,
+        by_dep(&|d| format!("{:.3}", d.stable_value)),
+    );
+    family(
+        &mut o,
+        "p15_autoscaler_panic_value",
+        "gauge",
+        dep,
+        by_dep(&|d| format!("{:.3}", d.panic_value)),
+    );
+    let counts =
+        |m: &BTreeMap<String, u32>| m.iter().map(|(d, n)| (d.clone(), n.to_string())).collect();
+    family(&mut o, "p15_replicas_ready", "gauge", dep, counts(&r.ready));
+    family(&mut o, "p15_servers", "gauge", dep, counts(&r.servers));
+    let metric = r
+        .metric_value
+        .iter()
+        .map(|(d, v)| (d.clone(), format!("{v:.3}")))
+        .collect();
+    family(&mut o, "p15_autoscaler_metric", "gauge", dep, metric);
     o
 }
 
-/// The controller's HTTP face: `/metrics` (the fleet, Prometheus text)
-/// and `/status` (each node's servers, JSON).
+/// The controller's HTTP face: `/` (the live page), `/metrics` (the
+/// fleet, Prometheus text) and `/status` (each node's servers, JSON).
 pub async fn serve_http(
+    id: String,
     report: Arc<Mutex<Report>>,
     listener: tokio::net::TcpListener,
 ) -> anyhow::Result<()> {
     use axum::routing::get;
     let r1 = report.clone();
+    let r0 = report.clone();
     let app = axum::Router::new()
+        .route(
+            "/",
+            get(move || {
+                let r = r0.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                let page = crate::dashboard::html(&id, r.leader, &r.history, r.snapshot.as_ref());
+                async move { axum::response::Html(page) }
+            }),
+        )
         .route(
             "/metrics",
             get(move || {

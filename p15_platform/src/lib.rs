@@ -10,9 +10,14 @@
 //!   cargo run --release -p p15_platform -- apply -f p15_platform/examples/smollm2.yaml --etcd http://127.0.0.1:2379
 
 pub mod agent;
+pub mod clients;
 pub mod controller;
+pub mod dashboard;
+#[cfg(feature = "bench")]
+pub mod demo;
 pub mod election;
 pub mod kpa;
+pub mod local;
 pub mod reconcile;
 pub mod router;
 pub mod server;

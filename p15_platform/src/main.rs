@@ -8,6 +8,7 @@
 //!   p15_platform controller --id c1       a controller (several: one leads)
 //!   p15_platform router --config r.toml   the router (Project 12's gateway fed from etcd)
 //!   p15_platform server ...               the model server node agents start
+//!   p15_platform demo                     all of it on this machine: step, chaos, rollout
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -73,6 +74,9 @@ enum Cmd {
         /// Where each server's log goes (default: a temporary directory).
         #[arg(long)]
         log_dir: Option<PathBuf>,
+        /// Publish server phase changes here (NATS URL).
+        #[arg(long)]
+        nats: Option<String>,
     },
     /// A controller; several elect one leader through an etcd lease.
     Controller {
@@ -99,6 +103,10 @@ enum Cmd {
     },
     /// The model server a node agent runs (Project 10's).
     Server(server::ServerArgs),
+    /// The whole platform on this machine through a step, chaos and a
+    /// rollout: a timeline, a plot and numbers.md rows.
+    #[cfg(feature = "bench")]
+    Demo(p15_platform::demo::DemoArgs),
 }
 
 fn roles(r: &Roles) -> String {
@@ -110,8 +118,13 @@ fn roles(r: &Roles) -> String {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
-    if let Cmd::Server(a) = cli.cmd {
-        return server::run(a);
+    // These two run their own runtimes.
+    if let Cmd::Server(a) = &cli.cmd {
+        return server::run(a.clone());
+    }
+    #[cfg(feature = "bench")]
+    if let Cmd::Demo(a) = &cli.cmd {
+        return p15_platform::demo::run(a);
     }
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -186,6 +199,7 @@ async fn run(cli: Cli) -> Result<()> {
             drain_delay_ms,
             shutdown_grace_s,
             log_dir,
+            nats,
         } => {
             let log_dir =
                 log_dir.unwrap_or_else(|| std::env::temp_dir().join(format!("p15-agent-{node}")));
@@ -199,6 +213,7 @@ async fn run(cli: Cli) -> Result<()> {
                 drain_delay: Duration::from_millis(drain_delay_ms),
                 shutdown_grace_s,
                 log_dir,
+                nats,
             };
             agent::Agent::new(cfg).run().await?;
         }
@@ -207,12 +222,13 @@ async fn run(cli: Cli) -> Result<()> {
                 .await
                 .with_context(|| format!("bind {listen}"))?;
             println!("controller {id} http on http://{}", listener.local_addr()?);
+            let id_http = id.clone();
             let c = controller::Controller::new(controller::ControllerConfig {
                 id,
                 etcd: endpoints,
                 ttl_s,
             });
-            tokio::spawn(controller::serve_http(c.report.clone(), listener));
+            tokio::spawn(controller::serve_http(id_http, c.report.clone(), listener));
             c.run().await?;
         }
         Cmd::Router {
@@ -229,6 +245,8 @@ async fn run(cli: Cli) -> Result<()> {
             router::run(rc, &config, listen).await?;
         }
         Cmd::Server(_) => unreachable!("handled before the runtime starts"),
+        #[cfg(feature = "bench")]
+        Cmd::Demo(_) => unreachable!("handled before the runtime starts"),
     }
     Ok(())
 }

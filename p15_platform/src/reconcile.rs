@@ -103,6 +103,15 @@ fn ordinal(id: &str) -> (u64, &str) {
     (n.unwrap_or(0), id)
 }
 
+/// The `n` servers to drain when there are too many: not-ready ones
+/// first, then the newest (highest number).
+fn extras<'a>(servers: &[&'a Server], n: u32) -> Vec<&'a Server> {
+    let mut v = servers.to_vec();
+    v.sort_by_key(|s| (s.phase == Phase::Ready, std::cmp::Reverse(ordinal(&s.id))));
+    v.truncate(n as usize);
+    v
+}
+
 /// The plan for `wants` given `servers` on live `nodes`.
 pub fn plan(wants: &[Want], servers: &[Server], nodes: &[Node]) -> Plan {
     let live: BTreeSet<&str> = nodes.iter().map(|n| n.id.as_str()).collect();
@@ -136,18 +145,13 @@ pub fn plan(wants: &[Want], servers: &[Server], nodes: &[Node]) -> Plan {
             if n_new < w.replicas {
                 start = w.replicas - n_new;
             } else {
-                // Extra servers: not-ready ones first, then the newest (highest n).
-                let mut extra = new.clone();
-                extra.sort_by_key(|s| (s.phase == Phase::Ready, std::cmp::Reverse(ordinal(&s.id))));
-                drain.extend(extra.into_iter().take((n_new - w.replicas) as usize));
+                drain.extend(extras(&new, n_new - w.replicas));
             }
         } else {
             let surge_room = (w.replicas + w.rollout.max_surge).saturating_sub(n_new + n_old);
             start = w.replicas.saturating_sub(n_new).min(surge_room);
             if n_new > w.replicas {
-                let mut extra = new.clone();
-                extra.sort_by_key(|s| (s.phase == Phase::Ready, std::cmp::Reverse(ordinal(&s.id))));
-                drain.extend(extra.into_iter().take((n_new - w.replicas) as usize));
+                drain.extend(extras(&new, n_new - w.replicas));
             }
             let min_available = w.replicas.saturating_sub(w.rollout.max_unavailable);
             let mut available = ready(&new) + ready(&old);

@@ -257,10 +257,13 @@ impl Snapshot {
 }
 
 /// The wants for the reconcile step: each deployment at `replicas[name]`
-/// (the autoscaler's count; `min` where it has none yet).
+/// (the autoscaler's count; `min` where it has none yet). Deployments
+/// split into prefill and decode roles are left out: node agents run
+/// co-located servers only so far, and [`servers_table`] says so.
 pub fn wants(s: &Snapshot, replicas: &BTreeMap<String, u32>) -> Vec<Want> {
     s.deployments
         .iter()
+        .filter(|st| st.deployment.roles == Roles::Colocated)
         .map(|st| {
             let d = &st.deployment;
             let n = replicas.get(&d.name).copied().unwrap_or(d.replicas.min);
@@ -299,6 +302,15 @@ pub fn servers_table(s: &Snapshot) -> String {
             "{:<28} {:<14} {:<10} {:<9} {:>10}  {url}",
             a.id, a.deployment, a.node, phase, cold
         );
+    }
+    for d in s.deployments.iter().map(|st| &st.deployment) {
+        if d.roles != Roles::Colocated {
+            let _ = writeln!(
+                o,
+                "{}: prefill/decode roles are not placed by node agents yet (nothing runs)",
+                d.name
+            );
+        }
     }
     let nodes: Vec<String> = s
         .nodes

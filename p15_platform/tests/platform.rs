@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use p14_distributed::etcd::{Compare, Op};
 use p15_platform::election::{fenced, fenced_if, Candidate};
+use p15_platform::local::signal_pid;
 use p15_platform::state::generation;
 use support::{complete, deployment, let_routers_see, ready, Platform};
 
@@ -72,13 +73,7 @@ fn a_paused_leader_is_replaced_within_its_ttl_and_nothing_starts_twice() {
     p.apply(&deployment("pause", ""));
     let s = p.wait_for("one ready server", MIN, |s| ready(s, "pause").len() == 1);
     let (leader, _) = s.leader.clone().expect("a leader");
-    let proc = p
-        .controllers
-        .iter()
-        .find(|(id, _)| *id == leader)
-        .map(|(_, c)| c)
-        .unwrap();
-    proc.signal(libc::SIGSTOP);
+    p.signal(&leader, libc::SIGSTOP);
     let paused = Instant::now();
     // The server dies while the leader is paused: only a new leader can replace it.
     let pid = s
@@ -86,8 +81,7 @@ fn a_paused_leader_is_replaced_within_its_ttl_and_nothing_starts_twice() {
         .values()
         .find_map(|st| st.pid)
         .expect("the server's pid");
-    // SAFETY: kill(2) on a pid this test's platform started; no memory is touched.
-    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    signal_pid(pid, libc::SIGKILL);
     p.wait_for("a new leader", Duration::from_secs(10), |s| {
         s.leader.as_ref().is_some_and(|(id, _)| *id != leader)
     });
@@ -104,7 +98,7 @@ fn a_paused_leader_is_replaced_within_its_ttl_and_nothing_starts_twice() {
         ready(&s, "pause"),
         "a new server, not the killed one"
     );
-    proc.signal(libc::SIGCONT);
+    p.signal(&leader, libc::SIGCONT);
     // The old leader wakes: for 3 s, never more than one server.
     let t0 = Instant::now();
     while t0.elapsed() < Duration::from_secs(3) {
@@ -145,6 +139,22 @@ fn load(
     })
 }
 
+/// Stop the load threads; requests answered, and the failures.
+fn finish(
+    loads: Vec<std::thread::JoinHandle<(u32, Vec<String>)>>,
+    stop: &AtomicBool,
+) -> (u32, Vec<String>) {
+    stop.store(true, Ordering::Relaxed);
+    let mut ok = 0;
+    let mut failed = Vec::new();
+    for l in loads {
+        let (o, f) = l.join().unwrap();
+        ok += o;
+        failed.extend(f);
+    }
+    (ok, failed)
+}
+
 #[test]
 fn killed_servers_and_a_dead_node_are_replaced_while_requests_succeed() {
     let mut p = Platform::start();
@@ -171,8 +181,7 @@ fn killed_servers_and_a_dead_node_are_replaced_while_requests_succeed() {
         .unwrap()
         .clone();
     eprintln!("killing {} at {:?}", victim.id, Instant::now());
-    // SAFETY: kill(2) on a pid this test's platform started; no memory is touched.
-    unsafe { libc::kill(victim.pid.unwrap() as i32, libc::SIGKILL) };
+    signal_pid(victim.pid.unwrap(), libc::SIGKILL);
     let s = p.wait_for("the killed server replaced", MIN, |s| {
         let r = ready(s, "heal");
         r.len() == 2 && !r.contains(&victim.id)
@@ -188,13 +197,7 @@ fn killed_servers_and_a_dead_node_are_replaced_while_requests_succeed() {
     assert!(!on_n2.is_empty());
     let killed = Instant::now();
     eprintln!("killing n2 at {killed:?}, its {on_n2:?}");
-    let agents = &p.agents;
-    let n2 = agents
-        .iter()
-        .find(|(n, _)| n == "n2")
-        .map(|(_, a)| a)
-        .unwrap();
-    n2.signal(libc::SIGKILL);
+    p.signal("n2", libc::SIGKILL);
     let s = p.wait_for("n2's servers moved to n1", MIN, |s| {
         let r = ready(s, "heal");
         r.len() == 2 && s.assignments.iter().all(|a| a.node == "n1")
@@ -202,14 +205,7 @@ fn killed_servers_and_a_dead_node_are_replaced_while_requests_succeed() {
     eprintln!("a dead node's servers healed in {:?}", killed.elapsed());
     assert!(s.nodes.iter().all(|n| n.id != "n2"), "n2's lease expired");
     std::thread::sleep(Duration::from_secs(1));
-    stop.store(true, Ordering::Relaxed);
-    let mut ok = 0;
-    let mut failed = Vec::new();
-    for l in loads {
-        let (o, f) = l.join().unwrap();
-        ok += o;
-        failed.extend(f);
-    }
+    let (ok, failed) = finish(loads, &stop);
     eprintln!("{ok} requests answered, {} failed", failed.len());
     assert!(ok > 4, "only {ok} requests completed");
     assert!(
@@ -241,7 +237,7 @@ fn a_deployment_at_zero_holds_its_first_request_serves_it_and_scales_back_to_zer
         body.contains("\"error\""),
         "an OpenAI-style error body: {body}"
     );
-    drop(p.router.take());
+    drop(p.local.router.take());
     let url = p.router(&["zero"], 60_000);
     p.controller("c1");
     std::thread::sleep(Duration::from_secs(2));
@@ -288,14 +284,7 @@ fn a_rolling_update_under_load_fails_no_request() {
             && s.assignments[0].generation == generation(&after)
     });
     std::thread::sleep(Duration::from_secs(1));
-    stop.store(true, Ordering::Relaxed);
-    let mut ok = 0;
-    let mut failed = Vec::new();
-    for l in loads {
-        let (o, f) = l.join().unwrap();
-        ok += o;
-        failed.extend(f);
-    }
+    let (ok, failed) = finish(loads, &stop);
     assert!(*most.lock().unwrap() <= 2, "max_surge 1: at most 2 servers");
     eprintln!("{ok} requests answered, {} failed", failed.len());
     assert!(ok > 4, "only {ok} requests completed");

@@ -191,3 +191,23 @@ fn values_out_of_range_are_refused_with_the_field_named() {
         assert_eq!(e.field(), field, "{e}");
     }
 }
+
+#[test]
+fn the_example_router_config_is_a_gateway_config_with_a_hold() {
+    let text = include_str!("../examples/router.toml");
+    let c = p12_gateway::Config::parse(text, "router.toml").unwrap();
+    assert!(
+        c.activator.hold_ms > 0,
+        "a deployment at zero needs the hold"
+    );
+    assert!(
+        c.models.iter().all(|m| m.backends.is_empty()),
+        "backends come from etcd"
+    );
+    let d = ModelDeployment::from_yaml(include_str!("../examples/smollm2.yaml"), "smollm2.yaml")
+        .unwrap();
+    assert!(
+        c.models.iter().any(|m| m.name == d.name),
+        "the router serves the example deployment"
+    );
+}

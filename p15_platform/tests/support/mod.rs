@@ -7,25 +7,20 @@
 
 #![allow(dead_code)]
 
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use p14_distributed::cluster::{spawn, temp_dir, EtcdCluster, Proc};
 use p14_distributed::etcd::Etcd;
+use p15_platform::local::Local;
 use p15_platform::spec::ModelDeployment;
 use p15_platform::state::Snapshot;
-use p15_platform::store::Store;
 
 pub const EXE: &str = env!("CARGO_BIN_EXE_p15_platform");
 pub const KEY: &str = "sk-platform-test";
 
+/// The platform's processes and a runtime to talk to them from tests.
 pub struct Platform {
-    pub etcd: EtcdCluster,
-    pub agents: Vec<(String, Proc)>,
-    pub controllers: Vec<(String, Proc)>,
-    pub router: Option<(Proc, String)>,
+    pub local: Local,
     pub rt: tokio::runtime::Runtime,
-    dir: std::path::PathBuf,
 }
 
 /// A deployment of SmolLM2 named `name` (a YAML fragment overrides the
@@ -56,99 +51,40 @@ pub fn deployment(name: &str, extra: &str) -> ModelDeployment {
 
 impl Platform {
     pub fn start() -> Platform {
-        let etcd = EtcdCluster::start(1, "127.0.0.1")
-            .expect("etcd (install it: apt-get install -y etcd-server)");
+        let mut local = Local::start(EXE.as_ref(), 1, false).expect("etcd");
+        local.quiet = false; // a failing test shows its processes' errors
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
             .unwrap();
-        Platform {
-            etcd,
-            agents: Vec::new(),
-            controllers: Vec::new(),
-            router: None,
-            rt,
-            dir: temp_dir("p15-test").unwrap(),
-        }
-    }
-
-    fn cmd(&self, args: &[&str]) -> Command {
-        let mut c = Command::new(EXE);
-        c.arg("--etcd")
-            .arg(self.etcd.urls.join(","))
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit());
-        c
+        Platform { local, rt }
     }
 
     pub fn agent(&mut self, node: &str, capacity: u32) {
-        let logs = self.dir.join(node);
-        let cap = capacity.to_string();
-        let c = self.cmd(&[
-            "agent",
-            "--node",
-            node,
-            "--capacity",
-            &cap,
-            "--ttl-s",
-            "2",
-            "--drain-delay-ms",
-            "400",
-            "--log-dir",
-            logs.to_str().unwrap(),
-        ]);
-        self.agents
-            .push((node.into(), spawn(node, c, None).unwrap()));
+        self.local.agent(node, capacity).unwrap();
     }
 
     pub fn controller(&mut self, id: &str) {
-        let c = self.cmd(&["controller", "--id", id, "--ttl-s", "2"]);
-        self.controllers
-            .push((id.into(), spawn(id, c, None).unwrap()));
+        self.local.controller(id).unwrap();
     }
 
     /// The router in front of `models`, holding requests `hold_ms` for a
     /// first backend; its base URL.
     pub fn router(&mut self, models: &[&str], hold_ms: u64) -> String {
-        let port = p14_distributed::cluster::free_port("127.0.0.1").unwrap();
-        let list: Vec<String> = models.iter().map(|m| format!("\"{m}\"")).collect();
-        let mut toml = format!(
-            "listen = \"127.0.0.1:{port}\"\n[activator]\nhold_ms = {hold_ms}\nretry_after_s = 2\n\
-             [health]\ninterval_ms = 500\n[retry]\nmax_attempts = 4\n\
-             [[tenants]]\nname = \"t\"\nmodels = [{}]\n\
-             [[keys]]\nname = \"k\"\ntenant = \"t\"\nsha256 = \"{}\"\nmax_concurrent = 64\n",
-            list.join(", "),
-            p12_gateway::auth::hash_key(KEY)
-        );
-        for m in models {
-            toml += &format!("[[models]]\nname = \"{m}\"\nbackends = []\nrouting = \"least-outstanding\"\ncontext_length = 2048\n");
-        }
-        let path = self.dir.join("router.toml");
-        std::fs::write(&path, toml).unwrap();
-        let c = self.cmd(&["router", "--config", path.to_str().unwrap(), "--ttl-s", "2"]);
-        let mut p = spawn("router", c, None).unwrap();
-        let addr = format!("127.0.0.1:{port}");
-        p14_distributed::cluster::wait_tcp(&addr, Duration::from_secs(30), &mut p).unwrap();
-        self.router = Some((p, format!("http://{addr}")));
-        format!("http://{addr}")
+        self.local.router(models, KEY, hold_ms).unwrap()
     }
 
     pub fn etcd_client(&self) -> Etcd {
-        Etcd::new(self.etcd.urls.clone(), Duration::from_secs(5))
+        self.local.etcd_client()
     }
 
     pub fn apply(&self, d: &ModelDeployment) {
-        let store = Store::new(self.etcd.urls.clone());
-        self.rt.block_on(store.apply(d)).unwrap();
+        self.rt.block_on(self.local.apply(d)).unwrap();
     }
 
     pub fn snapshot(&self) -> Snapshot {
-        self.rt
-            .block_on(Snapshot::read(&self.etcd_client()))
-            .unwrap()
+        self.rt.block_on(self.local.snapshot()).unwrap()
     }
 
     /// Poll the state until `ok` holds; the snapshot that made it hold.
@@ -158,20 +94,19 @@ impl Platform {
         timeout: Duration,
         ok: impl Fn(&Snapshot) -> bool,
     ) -> Snapshot {
-        let t0 = Instant::now();
-        loop {
-            let s = self.snapshot();
-            if ok(&s) {
-                return s;
-            }
-            if t0.elapsed() > timeout {
-                panic!(
-                    "{what}: not within {timeout:?}; the state:\n{}",
-                    p15_platform::state::servers_table(&s)
-                );
-            }
-            std::thread::sleep(Duration::from_millis(100));
+        match self.rt.block_on(self.local.wait_for(what, timeout, ok)) {
+            Ok(s) => s,
+            Err(e) => panic!("{e:#}"),
         }
+    }
+
+    /// Send `sig` to a process of the platform by id (agent or controller).
+    pub fn signal(&self, id: &str, sig: i32) {
+        let l = &self.local;
+        let m = l.agents.iter().chain(&l.controllers).find(|m| m.id == id);
+        m.unwrap_or_else(|| panic!("no process {id}"))
+            .proc
+            .signal(sig);
     }
 }
 

@@ -1,0 +1,377 @@
+//! The controller's live page: replicas (desired, running, ready) against
+//! the offered load, the servers' TTFT p50 and p99, and each node's
+//! servers, drawn on the server as SVG (plotters) and refreshed every two
+//! seconds.
+//!
+//! TTFT comes from the servers' own `vllm:time_to_first_token_seconds`
+//! histograms: each second the controller takes every ready server's
+//! bucket counts, the increase since the last scrape is that second's
+//! histogram, and the quantiles over the last 10 s are read off their sum
+//! as Prometheus' `histogram_quantile` does (linear within a bucket).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fmt::Write;
+
+use plotters::prelude::*;
+
+use crate::state::Snapshot;
+
+/// One second of one deployment.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Point {
+    pub t: f64,
+    pub desired: f64,
+    pub running: f64,
+    pub ready: f64,
+    /// The autoscaler's metric over the target: the replicas the load asks for.
+    pub load: f64,
+    pub ttft_p50: Option<f64>,
+    pub ttft_p99: Option<f64>,
+}
+
+/// Cumulative bucket counts `(le, count)` of one histogram in a
+/// Prometheus text page, summed over its label sets, by `le`.
+pub fn buckets(text: &str, name: &str) -> Vec<(f64, f64)> {
+    let prefix = format!("{name}_bucket{{");
+    let mut by: BTreeMap<u64, (f64, f64)> = BTreeMap::new();
+    for line in text.lines().filter(|l| l.starts_with(&prefix)) {
+        let Some(le) = line.split("le=\"").nth(1).and_then(|r| r.split('"').next()) else {
+            continue;
+        };
+        let le: f64 = if le == "+Inf" {
+            f64::INFINITY
+        } else {
+            le.parse().unwrap_or(f64::NAN)
+        };
+        let Some(v) = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) else {
+            continue;
+        };
+        if le.is_nan() {
+            continue;
+        }
+        by.entry(le.to_bits()).or_insert((le, 0.0)).1 += v;
+    }
+    let mut v: Vec<(f64, f64)> = by.into_values().collect();
+    v.sort_by(|a, b| a.0.total_cmp(&b.0));
+    v
+}
+
+/// `now - before`, bucket by bucket (a server that restarted counts from 0).
+pub fn increase(now: &[(f64, f64)], before: &[(f64, f64)]) -> Vec<(f64, f64)> {
+    now.iter()
+        .map(|&(le, c)| {
+            let b = before.iter().find(|x| x.0 == le).map_or(0.0, |x| x.1);
+            (le, if c >= b { c - b } else { c })
+        })
+        .collect()
+}
+
+/// The `q` quantile (0..1) of a cumulative histogram; None when empty.
+pub fn quantile(q: f64, h: &[(f64, f64)]) -> Option<f64> {
+    let total = h.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    let rank = q * total;
+    let mut prev = (0.0, 0.0);
+    for &(le, c) in h {
+        if c >= rank {
+            if le.is_infinite() {
+                return Some(prev.0); // the highest finite bound
+            }
+            let span = c - prev.1;
+            let f = if span > 0.0 {
+                (rank - prev.1) / span
+            } else {
+                1.0
+            };
+            return Some(prev.0 + (le - prev.0) * f);
+        }
+        prev = (le, c);
+    }
+    Some(prev.0)
+}
+
+/// Sum of histograms with the same buckets.
+pub fn sum(hs: &[Vec<(f64, f64)>]) -> Vec<(f64, f64)> {
+    let mut out: Vec<(f64, f64)> = Vec::new();
+    for h in hs {
+        for &(le, c) in h {
+            match out.iter_mut().find(|x| x.0 == le) {
+                Some(x) => x.1 += c,
+                None => out.push((le, c)),
+            }
+        }
+    }
+    out.sort_by(|a, b| a.0.total_cmp(&b.0));
+    out
+}
+
+/// One line of a chart: its legend, colour and value at each point.
+struct Line {
+    label: &'static str,
+    color: RGBColor,
+    value: fn(&Point) -> Option<f64>,
+}
+
+/// One chart of `lines` over the history `h` into `area`.
+fn chart<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    caption: &str,
+    y: &str,
+    h: &VecDeque<Point>,
+    lines: &[Line],
+) {
+    let t0 = h.front().map_or(0.0, |p| p.t);
+    let t1 = h.back().map_or(1.0, |p| p.t).max(t0 + 1.0);
+    let ymax = h
+        .iter()
+        .flat_map(|p| lines.iter().filter_map(move |l| (l.value)(p)))
+        .fold(0.1f64, f64::max)
+        * 1.15;
+    let Ok(mut c) = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 18))
+        .margin(8)
+        .x_label_area_size(28)
+        .y_label_area_size(40)
+        .build_cartesian_2d(t0..t1, 0.0..ymax)
+    else {
+        return;
+    };
+    let _ = c.configure_mesh().x_desc("time (s)").y_desc(y).draw();
+    for l in lines {
+        let color = l.color;
+        let pts = h.iter().filter_map(|p| Some((p.t, (l.value)(p)?)));
+        if let Ok(s) = c.draw_series(LineSeries::new(pts, color.stroke_width(2))) {
+            s.label(l.label).legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2))
+            });
+        }
+    }
+    let _ = c
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw();
+}
+
+/// The deployment's history as one SVG: replicas above, TTFT below.
+pub fn svg(name: &str, h: &VecDeque<Point>) -> String {
+    let mut out = String::new();
+    {
+        let root = SVGBackend::with_string(&mut out, (900, 560)).into_drawing_area();
+        let _ = root.fill(&WHITE);
+        let (top, bottom) = root.split_vertically(300);
+        let replicas = [
+            Line {
+                label: "load / target",
+                color: RGBColor(127, 127, 127),
+                value: |p| Some(p.load),
+            },
+            Line {
+                label: "desired",
+                color: RGBColor(31, 119, 180),
+                value: |p| Some(p.desired),
+            },
+            Line {
+                label: "running",
+                color: RGBColor(255, 127, 14),
+                value: |p| Some(p.running),
+            },
+            Line {
+                label: "ready",
+                color: RGBColor(44, 160, 44),
+                value: |p| Some(p.ready),
+            },
+        ];
+        chart(
+            &top,
+            &format!("{name}: replicas and offered load"),
+            "replicas",
+            h,
+            &replicas,
+        );
+        let ttft = [
+            Line {
+                label: "p50",
+                color: RGBColor(148, 103, 189),
+                value: |p| p.ttft_p50,
+            },
+            Line {
+                label: "p99",
+                color: RGBColor(214, 39, 40),
+                value: |p| p.ttft_p99,
+            },
+        ];
+        chart(
+            &bottom,
+            &format!("{name}: TTFT at the servers, last 10 s"),
+            "seconds",
+            h,
+            &ttft,
+        );
+        let _ = root.present();
+    }
+    out
+}
+
+/// A screenshot of `url` by Debian's headless Chromium, into `png`,
+/// within a minute.
+pub fn screenshot(url: &str, png: &std::path::Path, size: (u32, u32)) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let bin = ["/usr/bin/chromium", "/usr/bin/chromium-browser"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists())
+        .context("no chromium: install it with `apt-get install -y chromium`")?;
+    let mut child = std::process::Command::new(bin)
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+        ])
+        .arg(format!("--window-size={},{}", size.0, size.1))
+        .arg(format!("--screenshot={}", png.display()))
+        .arg(url)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .context("starting chromium")?;
+    let t0 = std::time::Instant::now();
+    loop {
+        if let Some(status) = child.try_wait()? {
+            anyhow::ensure!(
+                status.success() && png.exists(),
+                "chromium failed ({status}) on {url}"
+            );
+            return Ok(());
+        }
+        if t0.elapsed() > std::time::Duration::from_secs(60) {
+            let _ = child.kill();
+            let _ = child.wait();
+            anyhow::bail!("chromium took over 60 s on {url}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// The page: each deployment's plots, and each node's servers.
+pub fn html(
+    controller: &str,
+    leader: bool,
+    history: &BTreeMap<String, VecDeque<Point>>,
+    snap: Option<&Snapshot>,
+) -> String {
+    let mut o = String::new();
+    let _ = write!(
+        o,
+        "<!doctype html><html><head><meta charset=\"utf-8\"><meta http-equiv=\"refresh\" content=\"2\">\
+         <title>inference-lab platform</title><style>body{{font-family:sans-serif;margin:16px}}\
+         table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 8px}}</style></head><body>\
+         <h1>inference-lab platform</h1><p>controller {} ({})</p>",
+        esc(controller),
+        if leader { "leader" } else { "standby: figures come from the leader" }
+    );
+    for (name, h) in history {
+        let last = h.back().cloned().unwrap_or_default();
+        let _ = write!(
+            o,
+            "<h2>{}</h2><p>desired {} &middot; running {} &middot; ready {} &middot; load {:.2} replicas</p><div class=\"plot\">{}</div>",
+            esc(name),
+            last.desired,
+            last.running,
+            last.ready,
+            last.load,
+            svg(name, h)
+        );
+    }
+    if let Some(s) = snap {
+        let _ = write!(o, "<h2>nodes</h2>");
+        for n in &s.nodes {
+            let _ = write!(o, "<h3>{} (capacity {}, {})</h3><table><tr><th>server</th><th>deployment</th><th>phase</th><th>cold start</th><th>URL</th></tr>", esc(&n.id), n.capacity, esc(&n.host));
+            for a in s.assignments.iter().filter(|a| a.node == n.id) {
+                let st = s.servers.get(&a.id);
+                let phase = match (a.drain, st.map(|s| s.phase)) {
+                    (_, Some(p)) => format!("{p:?}"),
+                    (true, None) => "Draining".into(),
+                    (false, None) => "Assigned".into(),
+                };
+                let cold = st
+                    .and_then(|s| s.cold_start_ms)
+                    .map_or("-".into(), |ms| format!("{:.2} s", ms as f64 / 1e3));
+                let url = st.and_then(|s| s.url.clone()).unwrap_or_default();
+                let _ = write!(
+                    o,
+                    "<tr><td>{}</td><td>{}</td><td>{phase}</td><td>{cold}</td><td>{}</td></tr>",
+                    esc(&a.id),
+                    esc(&a.deployment),
+                    esc(&url)
+                );
+            }
+            let _ = write!(o, "</table>");
+        }
+    }
+    o.push_str("</body></html>");
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_interpolate_within_a_bucket_as_prometheus_does() {
+        // 10 samples: 4 under 0.1, 4 more under 0.5, 2 more under 1.
+        let h = [(0.1, 4.0), (0.5, 8.0), (1.0, 10.0), (f64::INFINITY, 10.0)];
+        assert_eq!(quantile(0.4, &h), Some(0.1));
+        assert!((quantile(0.6, &h).unwrap() - 0.3).abs() < 1e-12); // halfway into 0.1..0.5
+        assert!((quantile(0.99, &h).unwrap() - 0.975).abs() < 1e-12);
+        assert_eq!(quantile(0.5, &[(0.1, 0.0), (f64::INFINITY, 0.0)]), None);
+    }
+
+    #[test]
+    fn buckets_sum_label_sets_and_increases_survive_a_restart() {
+        let text = "# TYPE x histogram\nx_bucket{m=\"a\",le=\"0.1\"} 1\nx_bucket{m=\"a\",le=\"+Inf\"} 3\n\
+                    x_bucket{m=\"b\",le=\"0.1\"} 2\nx_bucket{m=\"b\",le=\"+Inf\"} 2\nx_sum{m=\"a\"} 9\n";
+        let b = buckets(text, "x");
+        assert_eq!(b, vec![(0.1, 3.0), (f64::INFINITY, 5.0)]);
+        assert_eq!(
+            increase(&b, &[(0.1, 1.0), (f64::INFINITY, 2.0)]),
+            vec![(0.1, 2.0), (f64::INFINITY, 3.0)]
+        );
+        // A restarted server's counts fell: they count from zero.
+        assert_eq!(increase(&[(0.1, 1.0)], &[(0.1, 5.0)]), vec![(0.1, 1.0)]);
+        assert_eq!(
+            sum(&[b.clone(), b]),
+            vec![(0.1, 6.0), (f64::INFINITY, 10.0)]
+        );
+    }
+
+    #[test]
+    fn the_page_draws_both_plots_and_lists_servers() {
+        let mut h = VecDeque::new();
+        for t in 0..5 {
+            h.push_back(Point {
+                t: t as f64,
+                desired: 1.0,
+                running: 1.0,
+                ready: 1.0,
+                load: 0.5,
+                ttft_p50: Some(0.1),
+                ttft_p99: Some(0.2),
+            });
+        }
+        let hist = BTreeMap::from([("smollm2".to_string(), h)]);
+        let page = html("c1", true, &hist, None);
+        assert_eq!(page.matches("<svg").count(), 1);
+        assert!(page.contains("TTFT at the servers") && page.contains("replicas and offered load"));
+        assert!(page.matches("<polyline").count() >= 6, "six lines drawn");
+    }
+}
