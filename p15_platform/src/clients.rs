@@ -37,9 +37,16 @@ const PROMPTS: [&str; 4] = [
 ];
 
 impl Clients {
-    /// `max` client tasks against `url` (the router), idle until asked.
-    pub fn start(url: &str, model: &str, key: &str, max: usize, max_tokens: u32) -> Clients {
-        let t0 = Instant::now();
+    /// `max` client tasks against `url` (the router), idle until asked;
+    /// times are taken from `t0`.
+    pub fn start(
+        url: &str,
+        model: &str,
+        key: &str,
+        max: usize,
+        max_tokens: u32,
+        t0: Instant,
+    ) -> Clients {
         let want = Arc::new(AtomicUsize::new(0));
         let records = Arc::new(Mutex::new(Vec::new()));
         let http = reqwest::Client::new();
