@@ -31,7 +31,7 @@ pub struct Clients {
 
 const PROMPTS: [&str; 4] = [
     "The capital of France is",
-    "Write one sentence about the sea.",
+    "Once upon a time",
     "List three colours:",
     "Explain what a cache is in one line.",
 ];
