@@ -5,7 +5,9 @@
 //! leader-elected controller ([`controller`], [`election`]) assigns by
 //! reconciling desired against actual state ([`reconcile`], [`state`]);
 //! the router ([`router`]) follows the endpoints the controller publishes.
-//! In progress: the dashboard, the Kubernetes operator, the demo.
+//! The controller serves a live page ([`dashboard`]); [`demo`] runs it
+//! all on one machine ([`local`], [`clients`]). Not built yet: the
+//! Kubernetes operator.
 //!
 //!   cargo run --release -p p15_platform -- apply -f p15_platform/examples/smollm2.yaml --etcd http://127.0.0.1:2379
 
