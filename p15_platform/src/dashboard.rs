@@ -297,16 +297,7 @@ pub fn html(
         for n in &s.nodes {
             let _ = write!(o, "<h3>{} (capacity {}, {})</h3><table><tr><th>server</th><th>deployment</th><th>phase</th><th>cold start</th><th>URL</th></tr>", esc(&n.id), n.capacity, esc(&n.host));
             for a in s.assignments.iter().filter(|a| a.node == n.id) {
-                let st = s.servers.get(&a.id);
-                let phase = match (a.drain, st.map(|s| s.phase)) {
-                    (_, Some(p)) => format!("{p:?}"),
-                    (true, None) => "Draining".into(),
-                    (false, None) => "Assigned".into(),
-                };
-                let cold = st
-                    .and_then(|s| s.cold_start_ms)
-                    .map_or("-".into(), |ms| format!("{:.2} s", ms as f64 / 1e3));
-                let url = st.and_then(|s| s.url.clone()).unwrap_or_default();
+                let (phase, cold, url) = s.shown(a);
                 let _ = write!(
                     o,
                     "<tr><td>{}</td><td>{}</td><td>{phase}</td><td>{cold}</td><td>{}</td></tr>",

@@ -233,6 +233,22 @@ impl Snapshot {
             .find(|d| d.name == name)
     }
 
+    /// An assigned server as `status` and the page show it: its phase
+    /// (`Assigned` before its agent reports), cold start and URL.
+    pub fn shown(&self, a: &Assignment) -> (String, String, String) {
+        let st = self.servers.get(&a.id);
+        let phase = match (a.drain, st.map(|s| s.phase)) {
+            (_, Some(p)) => format!("{p:?}"),
+            (true, None) => "Draining".into(),
+            (false, None) => "Assigned".into(),
+        };
+        let cold = st
+            .and_then(|s| s.cold_start_ms)
+            .map_or("-".into(), |ms| format!("{:.2} s", ms as f64 / 1e3));
+        let url = st.and_then(|s| s.url.clone()).unwrap_or_default();
+        (phase, cold, url)
+    }
+
     pub fn assignment(&self, id: &str) -> Option<&Assignment> {
         self.assignments.iter().find(|a| a.id == id)
     }
@@ -287,16 +303,7 @@ pub fn servers_table(s: &Snapshot) -> String {
         "SERVER", "DEPLOYMENT", "NODE", "PHASE", "COLD START"
     );
     for a in &s.assignments {
-        let st = s.servers.get(&a.id);
-        let phase = match (a.drain, st.map(|s| s.phase)) {
-            (_, Some(p)) => format!("{p:?}"),
-            (true, None) => "Draining".into(),
-            (false, None) => "Assigned".into(),
-        };
-        let cold = st
-            .and_then(|s| s.cold_start_ms)
-            .map_or("-".into(), |ms| format!("{:.2} s", ms as f64 / 1e3));
-        let url = st.and_then(|s| s.url.clone()).unwrap_or_default();
+        let (phase, cold, url) = s.shown(a);
         let _ = writeln!(
             o,
             "{:<28} {:<14} {:<10} {:<9} {:>10}  {url}",

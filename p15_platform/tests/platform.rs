@@ -139,11 +139,8 @@ fn load(
     })
 }
 
-/// Stop the load threads; requests answered, and the failures.
-fn finish(
-    loads: Vec<std::thread::JoinHandle<(u32, Vec<String>)>>,
-    stop: &AtomicBool,
-) -> (u32, Vec<String>) {
+/// Stop the load threads; every request must have been answered.
+fn finish(loads: Vec<std::thread::JoinHandle<(u32, Vec<String>)>>, stop: &AtomicBool) {
     stop.store(true, Ordering::Relaxed);
     let mut ok = 0;
     let mut failed = Vec::new();
@@ -152,7 +149,15 @@ fn finish(
         ok += o;
         failed.extend(f);
     }
-    (ok, failed)
+    eprintln!("{ok} requests answered, {} failed", failed.len());
+    assert!(ok > 4, "only {ok} requests completed");
+    assert!(
+        failed.is_empty(),
+        "{} of {} requests failed: {:?}",
+        failed.len(),
+        ok as usize + failed.len(),
+        failed
+    );
 }
 
 #[test]
@@ -205,16 +210,7 @@ fn killed_servers_and_a_dead_node_are_replaced_while_requests_succeed() {
     eprintln!("a dead node's servers healed in {:?}", killed.elapsed());
     assert!(s.nodes.iter().all(|n| n.id != "n2"), "n2's lease expired");
     std::thread::sleep(Duration::from_secs(1));
-    let (ok, failed) = finish(loads, &stop);
-    eprintln!("{ok} requests answered, {} failed", failed.len());
-    assert!(ok > 4, "only {ok} requests completed");
-    assert!(
-        failed.is_empty(),
-        "{} of {} requests failed: {:?}",
-        failed.len(),
-        ok as usize + failed.len(),
-        failed
-    );
+    finish(loads, &stop);
 }
 
 #[test]
@@ -284,15 +280,6 @@ fn a_rolling_update_under_load_fails_no_request() {
             && s.assignments[0].generation == generation(&after)
     });
     std::thread::sleep(Duration::from_secs(1));
-    let (ok, failed) = finish(loads, &stop);
+    finish(loads, &stop);
     assert!(*most.lock().unwrap() <= 2, "max_surge 1: at most 2 servers");
-    eprintln!("{ok} requests answered, {} failed", failed.len());
-    assert!(ok > 4, "only {ok} requests completed");
-    assert!(
-        failed.is_empty(),
-        "{} of {} requests failed: {:?}",
-        failed.len(),
-        ok as usize + failed.len(),
-        failed
-    );
 }
