@@ -12,7 +12,7 @@
 //! delivered.
 
 use std::convert::Infallible;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -140,16 +140,23 @@ async fn hold(g: &Gateway, pool: &Pool, out: &Outbound, deadline: Instant) -> Ve
         return Vec::new();
     }
     let until = (out.arrived + hold).min(deadline);
+    // Counted while held, also when the client goes away mid-wait (the
+    // future is dropped): a leaked count would look like load forever.
+    struct Held<'a>(&'a AtomicUsize);
+    impl Drop for Held<'_> {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
     pool.held.fetch_add(1, Ordering::Relaxed);
-    let order = loop {
+    let _held = Held(&pool.held);
+    loop {
         let o = pool.order(&out.ids);
         if !o.is_empty() || Instant::now() >= until {
-            break o;
+            return o;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    pool.held.fetch_sub(1, Ordering::Relaxed);
-    order
+    }
 }
 
 /// Send `out` through `pool`, retrying before the first byte; answer the client.

@@ -559,3 +559,60 @@ async fn a_backend_killed_mid_run_fails_no_request_and_comes_back() {
     );
     assert_eq!(metric(&g, &breaker), Some(0.0), "the breaker closed again");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_activator_holds_for_a_first_backend_and_counts_only_waiting_requests() {
+    let ok = r#"{"choices":[{"text":"x"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
+    let good = mock(Script::Status(200, ok)).await;
+    let extra = "[activator]\nhold_ms = 5000\nretry_after_s = 3";
+    let cfg = config(&[], "round-robin", "", extra);
+    let (url, g) = gateway(cfg, Arc::new(SystemClock::default()), false).await;
+    let held = || {
+        g.routes[MODEL]
+            .pool
+            .held
+            .load(std::sync::atomic::Ordering::SeqCst)
+    };
+    let body = json!({"model": MODEL, "prompt": "p", "max_tokens": 1});
+    // A client that gives up while held: the count goes back to zero.
+    let quitter = reqwest::Client::new()
+        .post(format!("{url}/v1/completions"))
+        .bearer_auth(KEY)
+        .json(&body)
+        .timeout(Duration::from_millis(300))
+        .send()
+        .await;
+    assert!(quitter.is_err(), "held past the client's timeout");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(held(), 0, "a dropped request is no longer counted");
+    // A held request is served once a backend appears.
+    let (u2, b2) = (url.clone(), body.clone());
+    let waiting =
+        tokio::spawn(async move { post(&u2, "/v1/completions", Some(KEY), &b2).await.status() });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(held(), 1);
+    let breaker = g.cfg.breaker.config();
+    g.routes[MODEL].pool.set_urls(&[good.url.clone()], breaker);
+    assert_eq!(waiting.await.unwrap(), 200);
+    assert_eq!(held(), 0);
+    // None comes within the hold: 503 with Retry-After.
+    g.routes[MODEL].pool.set_urls(&[], breaker);
+    let cfg = config(
+        &[],
+        "round-robin",
+        "",
+        "[activator]\nhold_ms = 300\nretry_after_s = 3",
+    );
+    let (url, _g) = gateway(cfg, Arc::new(SystemClock::default()), false).await;
+    let r = post(&url, "/v1/completions", Some(KEY), &body).await;
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.headers().get("retry-after").unwrap(), "3");
+    let (_, e) = error_of(r).await;
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no healthy backend"),
+        "{e}"
+    );
+}

@@ -29,9 +29,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
-use common::numbers::{Recorder, Row};
-use common::plot::{line_chart, Labels, Scale, Series};
-use common::stats::percentile_sorted;
 use futures_util::StreamExt;
 
 use crate::agent::EVENTS;
@@ -40,9 +37,12 @@ use crate::local::{signal_pid, Local};
 use crate::spec::ModelDeployment;
 use crate::state::{generation, Reported, ServerStatus, Snapshot};
 
+mod report;
+
 const KEY: &str = "sk-demo";
 const NAME: &str = "demo";
-const TARGET: f64 = 2.0;
+/// The deployment's concurrency target (streams per replica).
+pub const TARGET: f64 = 2.0;
 
 #[derive(Clone, Debug, Args)]
 pub struct DemoArgs {
@@ -58,6 +58,10 @@ pub struct DemoArgs {
     /// A time-to-first-token objective, for SLO attainment.
     #[arg(long, default_value_t = 2.0)]
     pub slo_ttft_s: f64,
+    /// Run the scenario this many times (5 or more: medians and p95s of
+    /// each event's time).
+    #[arg(long, default_value_t = 1)]
+    pub runs: usize,
 }
 
 fn deployment(weights: &str) -> ModelDeployment {
@@ -72,14 +76,29 @@ fn deployment(weights: &str) -> ModelDeployment {
 
 /// The state every half second, for the plot and the figures.
 #[derive(Clone, Debug, Default)]
-struct Sample {
-    t: f64,
-    clients: usize,
+pub struct Sample {
+    pub t: f64,
+    pub clients: usize,
     /// Servers running (starting, ready or draining).
-    running: usize,
+    pub running: usize,
     /// Published endpoints (what the router routes to).
-    ready: usize,
-    desired: Option<f64>,
+    pub ready: usize,
+    pub desired: Option<f64>,
+}
+
+/// What one run of the scenario saw (times in seconds from its start).
+#[derive(Clone, Debug, Default)]
+pub struct Run {
+    pub records: Vec<Record>,
+    pub samples: Vec<Sample>,
+    /// Every server's cold start.
+    pub cold: Vec<f64>,
+    /// Each event's time to heal (or react), by name.
+    pub marks: BTreeMap<&'static str, f64>,
+    /// When a server or a node was killed outright.
+    pub kills: Vec<f64>,
+    /// The windows of steady load.
+    pub steady: Vec<(f64, f64)>,
 }
 
 #[derive(Clone, Debug)]
@@ -141,13 +160,26 @@ async fn desired(http: &reqwest::Client, controllers: &[String]) -> Option<f64> 
 }
 
 pub fn run(a: &DemoArgs) -> anyhow::Result<()> {
-    tokio::runtime::Builder::new_multi_thread()
+    let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
-        .build()?
-        .block_on(scenario(a))
+        .build()?;
+    let mut runs = Vec::new();
+    for i in 0..a.runs.max(1) {
+        if a.runs > 1 {
+            println!("\n== run {} of {} ==", i + 1, a.runs);
+        }
+        let run = rt.block_on(scenario(a))?;
+        report::print(a, &run);
+        runs.push(run);
+    }
+    report::plot(a, runs.last().expect("one run at least"))?;
+    if !a.no_rows {
+        report::record(a, &runs)?;
+    }
+    Ok(())
 }
 
-async fn scenario(a: &DemoArgs) -> anyhow::Result<()> {
+async fn scenario(a: &DemoArgs) -> anyhow::Result<Run> {
     let exe = std::env::current_exe()?;
     let mut l = Local::start(&exe, 3, true)?;
     let tl = Timeline {
@@ -237,7 +269,7 @@ async fn scenario(a: &DemoArgs) -> anyhow::Result<()> {
     };
     let phase = Duration::from_secs(a.phase_s);
     let long = Duration::from_secs(120);
-    let mut marks: BTreeMap<&str, f64> = BTreeMap::new();
+    let mut marks: BTreeMap<&'static str, f64> = BTreeMap::new();
     // Hard kills (streams in flight on the victim are cut), and the
     // windows of steady load where the count must not flap.
     let mut kills: Vec<f64> = Vec::new();
@@ -396,7 +428,14 @@ async fn scenario(a: &DemoArgs) -> anyhow::Result<()> {
     let records = clients.records();
     let samples = samples.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let cold = cold.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    report(a, &records, &samples, &cold, &marks, &kills, &steady)
+    Ok(Run {
+        records,
+        samples,
+        cold,
+        marks,
+        kills,
+        steady,
+    })
 }
 
 /// The index of the member leading etcd (from the members' maintenance
@@ -438,259 +477,4 @@ async fn etcd_leader(urls: &[String]) -> Option<usize> {
 fn clients_handle(c: &Clients) -> impl Fn() -> usize + Send + Sync + 'static {
     let want = c.want.clone();
     move || want.load(std::sync::atomic::Ordering::Relaxed)
-}
-
-fn report(
-    a: &DemoArgs,
-    records: &[Record],
-    samples: &[Sample],
-    cold: &[f64],
-    marks: &BTreeMap<&str, f64>,
-    kills: &[f64],
-    steady: &[(f64, f64)],
-) -> anyhow::Result<()> {
-    let failed: Vec<&Record> = records.iter().filter(|r| !r.ok).collect();
-    let cut = failed.iter().filter(|r| r.cut).count();
-    // In flight when a server or its node was killed: cut with it.
-    let at_kill = |r: &Record| kills.iter().any(|&k| r.start <= k && k <= r.end + 0.5);
-    let n_kill = failed.iter().filter(|r| at_kill(r)).count();
-    let other = failed.len() - n_kill;
-    let mut ttft: Vec<f64> = records.iter().filter_map(|r| r.ttft).collect();
-    ttft.sort_by(f64::total_cmp);
-    let within = ttft.iter().filter(|&&t| t <= a.slo_ttft_s).count();
-    let pct = |v: &[f64], q: f64| {
-        if v.is_empty() {
-            f64::NAN
-        } else {
-            percentile_sorted(v, q)
-        }
-    };
-    // Replica-seconds: servers running against ceil(clients / target).
-    let (mut actual, mut ideal) = (0.0, 0.0);
-    for w in samples.windows(2) {
-        let dt = w[1].t - w[0].t;
-        actual += w[0].running as f64 * dt;
-        ideal += (w[0].clients as f64 / TARGET).ceil() * dt;
-    }
-    // Flaps: the desired count changing direction while the load holds.
-    let mut flaps = 0;
-    let mut last_dir = 0i32;
-    let in_steady = |t: f64| steady.iter().any(|&(a, b)| a <= t && t <= b);
-    for w in samples.windows(2) {
-        let (Some(d0), Some(d1)) = (w[0].desired, w[1].desired) else {
-            continue;
-        };
-        if w[0].clients != w[1].clients || !in_steady(w[0].t) || !in_steady(w[1].t) {
-            last_dir = 0;
-            continue;
-        }
-        let dir = (d1 - d0).signum() as i32;
-        if dir != 0 {
-            if last_dir != 0 && dir != last_dir {
-                flaps += 1;
-            }
-            last_dir = dir;
-        }
-    }
-    let mut cold_sorted = cold.to_vec();
-    cold_sorted.sort_by(f64::total_cmp);
-    println!(
-        "\n{} requests: {} failed ({} cut mid-stream); {} of them in flight on a killed server or node, {} otherwise",
-        records.len(),
-        failed.len(),
-        cut,
-        n_kill,
-        other
-    );
-    for r in failed.iter().take(5) {
-        println!("  at {:.1} s: {}", r.start, r.error);
-    }
-    println!(
-        "TTFT p50 {:.3} s, p99 {:.3} s; {:.1}% within {} s",
-        pct(&ttft, 50.0),
-        pct(&ttft, 99.0),
-        100.0 * within as f64 / ttft.len().max(1) as f64,
-        a.slo_ttft_s
-    );
-    println!(
-        "cold start (spawn to ready) median {:.2} s, p95 {:.2} s over {}",
-        pct(&cold_sorted, 50.0),
-        pct(&cold_sorted, 95.0),
-        cold.len()
-    );
-    for (k, v) in marks {
-        println!("{k:>12}: {v:.2} s");
-    }
-    println!(
-        "replica-seconds {actual:.0}, ideal {ideal:.0} (ratio {:.2}); flaps {flaps}",
-        actual / ideal.max(1e-9)
-    );
-    plot(a, samples, records)?;
-    if a.no_rows {
-        return Ok(());
-    }
-    let n = records.len();
-    let nc = cold.len();
-    let mut rows = vec![
-        Row::new(
-            format!("p15 demo: requests failed or cut, of {n}, other than those in flight on a killed server or node"),
-            other as f64,
-            "requests",
-        )
-        .predicted("0"),
-        Row::new(
-            format!("p15 demo: requests cut in flight on a killed server or node, of {n}"),
-            n_kill as f64,
-            "requests",
-        )
-        .predicted("the streams the victims held (no mid-stream resume)"),
-        Row::new(
-            "p15 demo: replica-seconds, ratio to the ideal ceil(clients / target)",
-            actual / ideal.max(1e-9),
-            "x",
-        )
-        .predicted("1.15 (target <= 1.3)"),
-        Row::new(
-            "p15 demo: flaps of the desired count under steady load (two steady windows)",
-            flaps as f64,
-            "flaps",
-        )
-        .predicted("0"),
-        Row::new(
-            format!(
-                "p15 demo: TTFT within {} s, fraction of {}",
-                a.slo_ttft_s,
-                ttft.len()
-            ),
-            within as f64 / ttft.len().max(1) as f64,
-            "fraction",
-        ),
-    ];
-    rows.extend(Row::median_p95(
-        format!("p15 demo: cold start, spawn to ready, of {nc}"),
-        pct(&cold_sorted, 50.0),
-        pct(&cold_sorted, 95.0),
-        "s",
-        "about 1 s (native weights)",
-    ));
-    rows.push(Row::new(
-        format!("p15 demo: TTFT, p50 of {}", ttft.len()),
-        pct(&ttft, 50.0),
-        "s",
-    ));
-    rows.push(Row::new(
-        format!("p15 demo: TTFT, p99 of {}", ttft.len()),
-        pct(&ttft, 99.0),
-        "s",
-    ));
-    let names = [
-        (
-            "from zero",
-            "first request to a first server ready (scale from zero), one run",
-            "cold start + 1 s",
-        ),
-        (
-            "step first",
-            "4x step to a new replica serving, one run",
-            "about 3 s (target: panic window 4 s + one cold start)",
-        ),
-        ("step all", "4x step to all four serving, one run", ""),
-        (
-            "heal server",
-            "a killed server to four serving again, one run",
-            "cold start + 1 s",
-        ),
-        (
-            "heal node",
-            "a killed node agent to its servers re-placed, one run",
-            "lease TTL 2 s + cold start",
-        ),
-        (
-            "heal leader",
-            "a killed leading controller to the standby leading, one run",
-            "under the 2 s TTL + 0.5 s",
-        ),
-        (
-            "heal etcd",
-            "a killed etcd member to a write through the others, one run",
-            "under 1 s",
-        ),
-        (
-            "rollout",
-            "rolling update of four replicas (native to f32), one run",
-            "4 x (cold start + drain)",
-        ),
-        (
-            "to zero",
-            "load stopped to zero replicas, one run",
-            "stable window 20 s + grace 4 s",
-        ),
-    ];
-    for (k, metric, pred) in names {
-        if let Some(v) = marks.get(k) {
-            rows.push(Row::new(format!("p15 demo: {metric}"), *v, "s").predicted(pred));
-        }
-    }
-    let isa = p10_quant::NativeWeights::detect().dot.isa();
-    Recorder::for_workspace("cargo run --release -p p15_platform -- demo")
-        .machine_note(&format!("native kernels {isa}"))
-        .append(&rows)
-        .context("appending to numbers.md")?;
-    println!("rows appended to numbers.md");
-    Ok(())
-}
-
-fn plot(a: &DemoArgs, samples: &[Sample], records: &[Record]) -> anyhow::Result<()> {
-    let pts = |f: &dyn Fn(&Sample) -> Option<f64>| -> Vec<(f64, f64)> {
-        samples.iter().filter_map(|s| Some((s.t, f(s)?))).collect()
-    };
-    let series = vec![
-        Series::new(
-            "offered load: clients / target",
-            pts(&|s| Some(s.clients as f64 / TARGET)),
-        ),
-        Series::new("desired (autoscaler)", pts(&|s| s.desired)),
-        Series::new("servers running", pts(&|s| Some(s.running as f64))),
-        Series::new("ready (routed to)", pts(&|s| Some(s.ready as f64))),
-    ];
-    let path = a.plots.join("demo.png");
-    line_chart(
-        &path,
-        Labels {
-            title: "p15 demo: replicas against load",
-            x: "time (s)",
-            y: "replicas",
-        },
-        &series,
-        Scale::Linear,
-    )?;
-    // TTFT p99 per 5 s of request starts.
-    let mut by: BTreeMap<i64, Vec<f64>> = BTreeMap::new();
-    for r in records {
-        if let Some(t) = r.ttft {
-            by.entry((r.start / 5.0).floor() as i64)
-                .or_default()
-                .push(t);
-        }
-    }
-    let p99: Vec<(f64, f64)> = by
-        .into_iter()
-        .map(|(k, mut v)| {
-            v.sort_by(f64::total_cmp);
-            (k as f64 * 5.0 + 2.5, percentile_sorted(&v, 99.0))
-        })
-        .collect();
-    let path2 = a.plots.join("demo_ttft.png");
-    line_chart(
-        &path2,
-        Labels {
-            title: "p15 demo: TTFT p99 per 5 s",
-            x: "time (s)",
-            y: "seconds",
-        },
-        &[Series::new("TTFT p99", p99)],
-        Scale::Linear,
-    )?;
-    println!("plots: {} {}", path.display(), path2.display());
-    Ok(())
 }

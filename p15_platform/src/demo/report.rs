@@ -1,0 +1,316 @@
+//! The demo's figures: printed for each run, plotted for the last, and
+//! appended to numbers.md over all of them (medians and p95s of each
+//! event's time from 5 runs or more).
+
+use std::collections::BTreeMap;
+
+use anyhow::Context;
+use common::numbers::{command_line, Recorder, Row};
+use common::plot::{line_chart, Labels, Scale, Series};
+use common::stats::percentile_sorted;
+
+use super::{DemoArgs, Run, TARGET};
+use crate::clients::Record;
+
+/// One run's figures.
+#[derive(Clone, Debug, Default)]
+pub struct Figures {
+    pub requests: usize,
+    /// Failed or cut, in flight on a server or node killed outright.
+    pub at_kill: usize,
+    /// Failed or cut otherwise.
+    pub other: usize,
+    pub replica_seconds: f64,
+    pub ideal: f64,
+    pub flaps: usize,
+}
+
+fn pct(v: &[f64], q: f64) -> f64 {
+    if v.is_empty() {
+        f64::NAN
+    } else {
+        percentile_sorted(v, q)
+    }
+}
+
+fn sorted(mut v: Vec<f64>) -> Vec<f64> {
+    v.sort_by(f64::total_cmp);
+    v
+}
+
+pub fn figures(run: &Run) -> Figures {
+    let failed: Vec<&Record> = run.records.iter().filter(|r| !r.ok).collect();
+    // In flight when a server or its node was killed: cut with it.
+    let at_kill = |r: &Record| run.kills.iter().any(|&k| r.start <= k && k <= r.end + 0.5);
+    let n_kill = failed.iter().filter(|r| at_kill(r)).count();
+    // Replica-seconds: servers running against ceil(clients / target).
+    let (mut actual, mut ideal) = (0.0, 0.0);
+    for w in run.samples.windows(2) {
+        let dt = w[1].t - w[0].t;
+        actual += w[0].running as f64 * dt;
+        ideal += (w[0].clients as f64 / TARGET).ceil() * dt;
+    }
+    // Flaps: the desired count changing direction while the load holds.
+    let mut flaps = 0;
+    let mut last_dir = 0i32;
+    let in_steady = |t: f64| run.steady.iter().any(|&(a, b)| a <= t && t <= b);
+    for w in run.samples.windows(2) {
+        let (Some(d0), Some(d1)) = (w[0].desired, w[1].desired) else {
+            continue;
+        };
+        if w[0].clients != w[1].clients || !in_steady(w[0].t) || !in_steady(w[1].t) {
+            last_dir = 0;
+            continue;
+        }
+        let dir = (d1 - d0).signum() as i32;
+        if dir != 0 {
+            if last_dir != 0 && dir != last_dir {
+                flaps += 1;
+            }
+            last_dir = dir;
+        }
+    }
+    Figures {
+        requests: run.records.len(),
+        at_kill: n_kill,
+        other: failed.len() - n_kill,
+        replica_seconds: actual,
+        ideal,
+        flaps,
+    }
+}
+
+/// One run's figures, as text.
+pub fn print(a: &DemoArgs, run: &Run) {
+    let f = figures(run);
+    let ttft = sorted(run.records.iter().filter_map(|r| r.ttft).collect());
+    let within = ttft.iter().filter(|&&t| t <= a.slo_ttft_s).count();
+    println!(
+        "\n{} requests: {} failed or cut in flight on a killed server or node, {} otherwise",
+        f.requests, f.at_kill, f.other
+    );
+    for r in run.records.iter().filter(|r| !r.ok).take(5) {
+        println!("  at {:.1} s: {}", r.start, r.error);
+    }
+    println!(
+        "TTFT p50 {:.3} s, p99 {:.3} s; {:.1}% within {} s",
+        pct(&ttft, 50.0),
+        pct(&ttft, 99.0),
+        100.0 * within as f64 / ttft.len().max(1) as f64,
+        a.slo_ttft_s
+    );
+    let cold = sorted(run.cold.clone());
+    println!(
+        "cold start (spawn to ready) median {:.2} s, p95 {:.2} s over {}",
+        pct(&cold, 50.0),
+        pct(&cold, 95.0),
+        cold.len()
+    );
+    for (k, v) in &run.marks {
+        println!("{k:>12}: {v:.2} s");
+    }
+    println!(
+        "replica-seconds {:.0}, ideal {:.0} (ratio {:.2}); flaps {}",
+        f.replica_seconds,
+        f.ideal,
+        f.replica_seconds / f.ideal.max(1e-9),
+        f.flaps
+    );
+}
+
+/// What each event's row says it is, and what was predicted.
+const EVENTS: [(&str, &str, &str); 9] = [
+    (
+        "from zero",
+        "first request to a first server ready (scale from zero)",
+        "cold start + 1 s",
+    ),
+    (
+        "step first",
+        "4x step to a new replica serving",
+        "about 3 s (target: panic window 4 s + one cold start)",
+    ),
+    ("step all", "4x step to all four serving", ""),
+    (
+        "heal server",
+        "a killed server to four serving again",
+        "cold start + 1 s",
+    ),
+    (
+        "heal node",
+        "a killed node agent to its servers re-placed",
+        "lease TTL 2 s + cold start",
+    ),
+    (
+        "heal leader",
+        "a killed leading controller to the standby leading",
+        "under the 2 s TTL + 0.5 s",
+    ),
+    (
+        "heal etcd",
+        "etcd's leader killed to a write through the others",
+        "under 2 s",
+    ),
+    (
+        "rollout",
+        "rolling update of four replicas (native to f32)",
+        "4 x (cold start + drain)",
+    ),
+    (
+        "to zero",
+        "load stopped to zero replicas",
+        "stable window 20 s + grace 4 s",
+    ),
+];
+
+/// Rows of `values` (one per run): median and p95 from 5 runs, the one
+/// value from one, the maximum from 2 to 4.
+fn rows_of(metric: &str, values: Vec<f64>, unit: &str, pred: &str) -> Vec<Row> {
+    let v = sorted(values);
+    match v.len() {
+        0 => Vec::new(),
+        1 => vec![Row::new(format!("{metric}, one run"), v[0], unit).predicted(pred)],
+        n if n < common::numbers::MIN_SAMPLES => {
+            vec![Row::new(format!("{metric}, maximum of {n} runs"), v[n - 1], unit).predicted(pred)]
+        }
+        n => Row::median_p95(
+            format!("{metric}, of {n} runs"),
+            pct(&v, 50.0),
+            pct(&v, 95.0),
+            unit,
+            pred,
+        )
+        .into(),
+    }
+}
+
+/// Append the runs' rows to numbers.md.
+pub fn record(a: &DemoArgs, runs: &[Run]) -> anyhow::Result<()> {
+    let fs: Vec<Figures> = runs.iter().map(figures).collect();
+    let n: usize = fs.iter().map(|f| f.requests).sum();
+    let nr = runs.len();
+    let all: Vec<&Record> = runs.iter().flat_map(|r| &r.records).collect();
+    let ttft = sorted(all.iter().filter_map(|r| r.ttft).collect());
+    let within = ttft.iter().filter(|&&t| t <= a.slo_ttft_s).count();
+    let cold = sorted(runs.iter().flat_map(|r| r.cold.clone()).collect());
+    let runs_s = if nr == 1 {
+        "one run".to_string()
+    } else {
+        format!("{nr} runs")
+    };
+    let mut rows = vec![
+        Row::new(
+            format!("p15 demo: requests failed or cut, of {n} over {runs_s}, other than those in flight on a killed server or node"),
+            fs.iter().map(|f| f.other).sum::<usize>() as f64,
+            "requests",
+        )
+        .predicted("0"),
+        Row::new(
+            format!("p15 demo: requests cut in flight on a killed server or node, of {n} over {runs_s}"),
+            fs.iter().map(|f| f.at_kill).sum::<usize>() as f64,
+            "requests",
+        )
+        .predicted("the streams the victims held (no mid-stream resume)"),
+        Row::new(
+            format!("p15 demo: flaps of the desired count under steady load (two steady windows), over {runs_s}"),
+            fs.iter().map(|f| f.flaps).sum::<usize>() as f64,
+            "flaps",
+        )
+        .predicted("0"),
+        Row::new(
+            format!("p15 demo: TTFT within {} s, fraction of {}", a.slo_ttft_s, ttft.len()),
+            within as f64 / ttft.len().max(1) as f64,
+            "fraction",
+        ),
+        Row::new(format!("p15 demo: TTFT, p50 of {}", ttft.len()), pct(&ttft, 50.0), "s"),
+        Row::new(format!("p15 demo: TTFT, p99 of {}", ttft.len()), pct(&ttft, 99.0), "s"),
+    ];
+    let ratios = fs
+        .iter()
+        .map(|f| f.replica_seconds / f.ideal.max(1e-9))
+        .collect();
+    rows.extend(rows_of(
+        "p15 demo: replica-seconds, ratio to the ideal ceil(clients / target)",
+        ratios,
+        "x",
+        "1.15 (target <= 1.3)",
+    ));
+    rows.extend(Row::median_p95(
+        format!("p15 demo: cold start, spawn to ready, of {}", cold.len()),
+        pct(&cold, 50.0),
+        pct(&cold, 95.0),
+        "s",
+        "about 1 s (native weights)",
+    ));
+    for (k, metric, pred) in EVENTS {
+        let v: Vec<f64> = runs
+            .iter()
+            .filter_map(|r| r.marks.get(k).copied())
+            .collect();
+        rows.extend(rows_of(&format!("p15 demo: {metric}"), v, "s", pred));
+    }
+    let isa = p10_quant::NativeWeights::detect().dot.isa();
+    Recorder::for_workspace(command_line("p15_platform"))
+        .machine_note(&format!("native kernels {isa}"))
+        .append(&rows)
+        .context("appending to numbers.md")?;
+    println!("rows appended to numbers.md");
+    Ok(())
+}
+
+/// The last run's plots: replicas against load, TTFT p99 per 5 s.
+pub fn plot(a: &DemoArgs, run: &Run) -> anyhow::Result<()> {
+    let (samples, records) = (&run.samples, &run.records);
+    let pts = |f: &dyn Fn(&super::Sample) -> Option<f64>| -> Vec<(f64, f64)> {
+        samples.iter().filter_map(|s| Some((s.t, f(s)?))).collect()
+    };
+    let series = vec![
+        Series::new(
+            "offered load: clients / target",
+            pts(&|s| Some(s.clients as f64 / TARGET)),
+        ),
+        Series::new("desired (autoscaler)", pts(&|s| s.desired)),
+        Series::new("servers running", pts(&|s| Some(s.running as f64))),
+        Series::new("ready (routed to)", pts(&|s| Some(s.ready as f64))),
+    ];
+    let path = a.plots.join("demo.png");
+    line_chart(
+        &path,
+        Labels {
+            title: "p15 demo: replicas against load",
+            x: "time (s)",
+            y: "replicas",
+        },
+        &series,
+        Scale::Linear,
+    )?;
+    // TTFT p99 per 5 s of request starts.
+    let mut by: BTreeMap<i64, Vec<f64>> = BTreeMap::new();
+    for r in records {
+        if let Some(t) = r.ttft {
+            by.entry((r.start / 5.0).floor() as i64)
+                .or_default()
+                .push(t);
+        }
+    }
+    let p99: Vec<(f64, f64)> = by
+        .into_iter()
+        .map(|(k, mut v)| {
+            v.sort_by(f64::total_cmp);
+            (k as f64 * 5.0 + 2.5, percentile_sorted(&v, 99.0))
+        })
+        .collect();
+    let path2 = a.plots.join("demo_ttft.png");
+    line_chart(
+        &path2,
+        Labels {
+            title: "p15 demo: TTFT p99 per 5 s",
+            x: "time (s)",
+            y: "seconds",
+        },
+        &[Series::new("TTFT p99", p99)],
+        Scale::Linear,
+    )?;
+    println!("plots: {} {}", path.display(), path2.display());
+    Ok(())
+}
