@@ -592,7 +592,9 @@ async fn the_activator_holds_for_a_first_backend_and_counts_only_waiting_request
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(held(), 1);
     let breaker = g.cfg.breaker.config();
-    g.routes[MODEL].pool.set_urls(&[good.url.clone()], breaker);
+    g.routes[MODEL]
+        .pool
+        .set_urls(std::slice::from_ref(&good.url), breaker);
     assert_eq!(waiting.await.unwrap(), 200);
     assert_eq!(held(), 0);
     // None comes within the hold: 503 with Retry-After.
