@@ -27,7 +27,7 @@ use p14_distributed::etcd::{Compare, Etcd, Op};
 use crate::dashboard::{buckets, increase, quantile, sum, Point};
 use crate::election::{fenced, fenced_if, Candidate, Fence};
 use crate::kpa::{Decision, Kpa, KpaSpec};
-use crate::reconcile::{plan, Action};
+use crate::reconcile::{plan, Action, Server};
 use crate::spec::Metric;
 use crate::state::{self, assign_key, endpoint_key, Assignment, Snapshot, ENDPOINTS};
 
@@ -140,15 +140,14 @@ impl Controller {
         };
         let t = Instant::now();
         let snap = Snapshot::read(&self.etcd).await?;
-        let replicas = self.autoscale(&snap).await;
+        let actual = snap.actual();
+        let replicas = self.autoscale(&snap, &actual).await;
         let wants = state::wants(&snap, &replicas);
-        let p = plan(&wants, &snap.actual(), &snap.live_nodes());
-        let mut done = 0;
+        let p = plan(&wants, &actual, &snap.live_nodes());
         let mut refused = 0;
         for a in &p.actions {
-            match self.act(fence, &snap, a).await? {
-                true => done += 1,
-                false => refused += 1,
+            if !self.act(fence, &snap, a).await? {
+                refused += 1;
             }
         }
         refused += self.publish_endpoints(fence, &snap).await?;
@@ -165,9 +164,8 @@ impl Controller {
             *r.actions.entry(k).or_default() += 1;
         }
         r.fenced_out += refused;
-        let _ = done;
         for w in &wants {
-            let mine = snap.actual().into_iter().filter(|s| s.deployment == w.name);
+            let mine = actual.iter().filter(|s| s.deployment == w.name);
             r.servers.insert(w.name.clone(), mine.count() as u32);
         }
         r.snapshot = Some(snap);
@@ -270,7 +268,7 @@ impl Controller {
     }
 
     /// Each deployment's replica count from its KPA, fed once a second.
-    async fn autoscale(&mut self, snap: &Snapshot) -> BTreeMap<String, u32> {
+    async fn autoscale(&mut self, snap: &Snapshot, actual: &[Server]) -> BTreeMap<String, u32> {
         let now = self.t0.elapsed();
         let names: BTreeSet<String> = snap
             .deployments
@@ -325,11 +323,7 @@ impl Controller {
             let Some(k) = self.kpa.get_mut(&d.name) else {
                 continue;
             };
-            let keep = snap
-                .actual()
-                .iter()
-                .filter(|s| s.deployment == d.name)
-                .count() as u32;
+            let keep = actual.iter().filter(|s| s.deployment == d.name).count() as u32;
             let decision = if due { k.decide(now, n_ready) } else { None };
             let desired = match decision {
                 Some(dec) => {
@@ -351,8 +345,7 @@ impl Controller {
                     window.pop_front();
                 }
                 let h = sum(&window.iter().cloned().collect::<Vec<_>>());
-                let running = snap
-                    .actual()
+                let running = actual
                     .iter()
                     .filter(|s| {
                         s.deployment == d.name && s.phase != crate::reconcile::Phase::Failed

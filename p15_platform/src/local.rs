@@ -62,8 +62,22 @@ pub fn router_config(port: u16, models: &[&str], key: &str, hold_ms: u64) -> Str
 impl Local {
     /// etcd with `members` members (and NATS if asked), nothing else yet.
     pub fn start(exe: &Path, members: usize, nats: bool) -> anyhow::Result<Local> {
-        let etcd = EtcdCluster::start(members, "127.0.0.1")
-            .context("starting etcd (install it: apt-get install -y etcd-server)")?;
+        // Its ports are picked free and released before etcd binds them,
+        // so a process starting beside it (another test's etcd) can take
+        // one first: start again, on new ports, up to three times.
+        let mut tries = 0;
+        let etcd = loop {
+            tries += 1;
+            match EtcdCluster::start(members, "127.0.0.1") {
+                Ok(c) => break c,
+                Err(e) if tries >= 3 => {
+                    return Err(
+                        e.context("starting etcd (install it: apt-get install -y etcd-server)")
+                    )
+                }
+                Err(_) => continue,
+            }
+        };
         let nats = match nats {
             true => Some(
                 Nats::start("127.0.0.1")
