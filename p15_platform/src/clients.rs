@@ -75,10 +75,6 @@ impl Clients {
         self.want.store(n, Ordering::Relaxed);
     }
 
-    pub fn now(&self) -> usize {
-        self.want.load(Ordering::Relaxed)
-    }
-
     pub fn records(&self) -> Vec<Record> {
         self.records
             .lock()

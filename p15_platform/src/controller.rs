@@ -535,23 +535,25 @@ pub async fn serve_http(
         .route(
             "/",
             get(move || {
-                let r = r0.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                let r = r0.lock().unwrap_or_else(|p| p.into_inner());
                 let page = crate::dashboard::html(&id, r.leader, &r.history, r.snapshot.as_ref());
+                drop(r);
                 async move { axum::response::Html(page) }
             }),
         )
         .route(
             "/metrics",
             get(move || {
-                let r = r1.lock().unwrap_or_else(|p| p.into_inner()).clone();
-                async move { render_metrics(&r) }
+                // Rendered under the lock: no copy of the history and snapshot.
+                let text = render_metrics(&r1.lock().unwrap_or_else(|p| p.into_inner()));
+                async move { text }
             }),
         )
         .route(
             "/status",
             get(move || {
-                let r = report.lock().unwrap_or_else(|p| p.into_inner()).clone();
-                async move { axum::Json(status_json(&r)) }
+                let json = status_json(&report.lock().unwrap_or_else(|p| p.into_inner()));
+                async move { axum::Json(json) }
             }),
         );
     axum::serve(listener, app).await?;

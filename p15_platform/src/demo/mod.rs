@@ -235,7 +235,7 @@ async fn scenario(a: &DemoArgs) -> anyhow::Result<Run> {
     let sampler = {
         let (samples, etcd, want) = (samples.clone(), l.etcd_client(), clients.t0);
         let ctls = Arc::new(Mutex::new(ctl_urls(&l)));
-        let clients_now = Arc::new(clients_handle(&clients));
+        let clients_now = clients.want.clone();
         let http = reqwest::Client::new();
         let ctls2 = ctls.clone();
         let tl2 = tl.clone();
@@ -246,7 +246,7 @@ async fn scenario(a: &DemoArgs) -> anyhow::Result<Run> {
                     let urls = ctls2.lock().unwrap_or_else(|p| p.into_inner()).clone();
                     let smp = Sample {
                         t: want.elapsed().as_secs_f64(),
-                        clients: clients_now(),
+                        clients: clients_now.load(std::sync::atomic::Ordering::Relaxed),
                         running: running(&s),
                         ready: ready(&s),
                         desired: desired(&http, &urls).await,
@@ -288,11 +288,9 @@ async fn scenario(a: &DemoArgs) -> anyhow::Result<Run> {
     clients.set(8);
     let t_step = tl.note("load: 8 clients (a 4x step)");
     steady.push((t_ready + 3.0, t_step));
-    let s = l
-        .wait_for("a second server", long, |s| ready(s) >= 2)
+    l.wait_for("a second server", long, |s| ready(s) >= 2)
         .await?;
     marks.insert("step first", tl.note("a new replica is serving") - t_step);
-    let _ = s;
     l.wait_for("four servers", long, |s| ready(s) >= 4).await?;
     let t_all = tl.note("all four replicas serving");
     marks.insert("step all", t_all - t_step);
@@ -372,9 +370,14 @@ async fn scenario(a: &DemoArgs) -> anyhow::Result<Run> {
     let m = etcd_leader(&l.etcd.urls).await.unwrap_or(0);
     l.etcd.members[m].signal(libc::SIGKILL);
     let t = tl.note(format!("chaos: killed etcd member m{m}, the etcd leader"));
-    let probe = deployment("native");
-    l.wait_for("etcd answering", long, |_| true).await?;
-    l.apply(&probe).await?; // a write goes through the other members
+    // A write through the surviving members (it waits for their new leader).
+    l.etcd_client()
+        .put(
+            "/inference-lab/p15/demo-probe",
+            b"after the etcd leader died",
+            None,
+        )
+        .await?;
     marks.insert(
         "heal etcd",
         tl.note("etcd answers reads and writes with two members (a new etcd leader)") - t,
@@ -471,10 +474,4 @@ async fn etcd_leader(urls: &[String]) -> Option<usize> {
     let leader = leader?;
     ids.iter()
         .position(|id| id.as_deref() == Some(leader.as_str()))
-}
-
-/// A closure reading how many clients run now.
-fn clients_handle(c: &Clients) -> impl Fn() -> usize + Send + Sync + 'static {
-    let want = c.want.clone();
-    move || want.load(std::sync::atomic::Ordering::Relaxed)
 }
