@@ -121,6 +121,14 @@ impl KvBackend for PagedKv {
                 rank: None,
             },
             KvMetric {
+                name: "vllm:kv_cache_usage_perc",
+                help: "Fraction of the K/V pool held by sequences (0 to 1).",
+                kind: "gauge",
+                value: pool.num_blocks().saturating_sub(pool.num_free()) as f64
+                    / pool.num_blocks().max(1) as f64,
+                rank: None,
+            },
+            KvMetric {
                 name: "inference_lab:kv_blocks_total",
                 help: "Blocks in the K/V pool.",
                 kind: "gauge",
@@ -142,5 +150,38 @@ impl KvBackend for PagedKv {
                 rank: None,
             },
         ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn usage(kv: &PagedKv) -> f64 {
+        kv.metrics()
+            .iter()
+            .find(|m| m.name == "vllm:kv_cache_usage_perc")
+            .map(|m| m.value)
+            .expect("the usage gauge")
+    }
+
+    #[test]
+    fn kv_usage_counts_the_blocks_sequences_hold_not_the_cached_free_ones() {
+        let shape = KvShape {
+            n_layer: 1,
+            n_kv_head: 1,
+            head_dim: 2,
+        };
+        // 8 blocks of 4 positions.
+        let bytes = 8 * 4 * shape.bytes_per_position();
+        let mut kv = PagedKv::new(shape, 4, bytes, true).unwrap();
+        assert_eq!(usage(&kv), 0.0);
+        let prompt: Vec<u32> = (0..8).collect();
+        assert_eq!(kv.admit(1, &prompt, b"", 16), Some(0));
+        // 8 tokens + the first decode: 3 blocks of 8.
+        assert_eq!(usage(&kv), 3.0 / 8.0);
+        kv.commit(1, &prompt, b"", 8);
+        kv.free(1);
+        assert_eq!(usage(&kv), 0.0, "cached blocks are free to take");
     }
 }

@@ -501,6 +501,7 @@ async fn kill(servers: &mut [Server], rows: &mut Vec<Row>) -> Result<()> {
                  [breaker]\nfailures_to_open = 3\ncooldown_ms = 5000\nsuccesses_to_close = 2";
     let (gw, g) = start_gateway(&config_text(&urls, "round-robin", extra), counter()?).await?;
     tokio::spawn(crate::health::run(g.clone()));
+    tokio::spawn(crate::score::run(g.clone()));
     let (rate, secs, kill_at) = (8.0, 10.0, 3.0);
     let n = (rate * secs) as usize;
     let mut rng = Rng::new(7);

@@ -52,6 +52,8 @@ pub struct Config {
     #[serde(default)]
     pub activator: Activator,
     #[serde(default)]
+    pub scoring: Scoring,
+    #[serde(default)]
     pub tenants: Vec<Tenant>,
     #[serde(default)]
     pub keys: Vec<Key>,
@@ -170,6 +172,37 @@ pub struct Activator {
     pub retry_after_s: u64,
 }
 
+/// The `scored` policy's weights and inputs (see `score`). The defaults
+/// are llm-d's default profile (prefix 3, queue 2) plus K/V usage at 1.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Scoring {
+    pub prefix_weight: f64,
+    pub queue_weight: f64,
+    pub kv_weight: f64,
+    /// A backend reporting this much of its K/V pool in use is filtered
+    /// out (unless every backend is).
+    pub kv_full: f64,
+    /// How often each backend's `/metrics` is read.
+    pub scrape_ms: u64,
+    /// Block hashes remembered per backend (about its prefix cache's
+    /// size in blocks).
+    pub index_blocks: usize,
+}
+
+impl Default for Scoring {
+    fn default() -> Scoring {
+        Scoring {
+            prefix_weight: 3.0,
+            queue_weight: 2.0,
+            kv_weight: 1.0,
+            kv_full: 0.95,
+            scrape_ms: 100,
+            index_blocks: 4096,
+        }
+    }
+}
+
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Tenant {
@@ -208,6 +241,8 @@ pub enum Policy {
     RoundRobin,
     LeastOutstanding,
     PrefixAffinity,
+    /// llm-d's filter -> score -> pick on the servers' reports.
+    Scored,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -342,6 +377,25 @@ impl Config {
         if self.health.failures_to_eject == 0 {
             return bad("health.failures_to_eject".into(), "at least 1".into());
         }
+        let sc = &self.scoring;
+        for (field, w) in [
+            ("prefix_weight", sc.prefix_weight),
+            ("queue_weight", sc.queue_weight),
+            ("kv_weight", sc.kv_weight),
+        ] {
+            if !(w.is_finite() && w >= 0.0) {
+                return bad(format!("scoring.{field}"), format!("{w} is not >= 0"));
+            }
+        }
+        if !(sc.kv_full > 0.0 && sc.kv_full <= 1.0) {
+            return bad("scoring.kv_full".into(), "a fraction in (0, 1]".into());
+        }
+        if sc.scrape_ms == 0 || sc.index_blocks == 0 {
+            return bad(
+                "scoring".into(),
+                "scrape_ms and index_blocks at least 1".into(),
+            );
+        }
         Ok(())
     }
 }
@@ -402,6 +456,11 @@ mod tests {
                 OK.replace("backends = [\"http://127.0.0.1:1\"]", "backends = []"),
                 "models[0].backends",
             ),
+            (
+                format!("[scoring]\nqueue_weight = -1\n{OK}"),
+                "scoring.queue_weight",
+            ),
+            (format!("[scoring]\nkv_full = 1.5\n{OK}"), "scoring.kv_full"),
         ];
         for (text, field) in cases {
             let e = Config::parse(&text, "t").unwrap_err().to_string();

@@ -4,7 +4,7 @@
 //! ([`limits`]: token buckets with reservations settled at real usage,
 //! prompts counted by [`count`] with the model's own tokenizer), and which
 //! backend serves them ([`routing`]: round-robin, least outstanding,
-//! prefix affinity), and it keeps a failing backend from failing its
+//! prefix affinity, [`score`]d on the servers' reports), and it keeps a failing backend from failing its
 //! clients ([`proxy`]: retries before the first byte, [`breaker`],
 //! [`health`] checks). [`app`] is the HTTP face; [`metrics`] the
 //! Prometheus page. Time comes from a [`clock::Clock`] so tests can run a
@@ -23,6 +23,7 @@ pub mod limits;
 pub mod metrics;
 pub mod proxy;
 pub mod routing;
+pub mod score;
 pub mod sse;
 pub mod state;
 

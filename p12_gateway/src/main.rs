@@ -56,6 +56,7 @@ async fn serve(config: PathBuf, listen: Option<String>) -> Result<()> {
     let listen = cfg.listen.clone();
     let g = Arc::new(build(cfg, Arc::new(SystemClock::default()))?);
     tokio::spawn(p12_gateway::health::run(g.clone()));
+    tokio::spawn(p12_gateway::score::run(g.clone()));
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
         .with_context(|| format!("bind {listen}"))?;

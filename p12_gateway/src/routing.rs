@@ -10,7 +10,9 @@
 //!   (a chain over full blocks of token ids) and the backends are ranked by
 //!   rendezvous hashing: when a backend leaves, only its prefixes move.
 //!   A choice this many requests busier than the least-loaded backend gives
-//!   way to it, so one hot prefix cannot pile onto one backend.
+//!   way to it, so one hot prefix cannot pile onto one backend;
+//! - scored: llm-d's filter -> score -> pick over what each server reports
+//!   (queue, K/V usage) and the prefixes sent to it (see `score`).
 //!
 //! Ejected backends (failed health checks) are left out; open breakers
 //! are skipped when a request is sent (see `proxy`).
@@ -21,7 +23,8 @@ use std::sync::{Arc, Mutex, RwLock};
 use p09_kv_manager::prefix_hash::{block_hashes, Xxh3BlockHasher};
 
 use crate::breaker::{Breaker, BreakerConfig};
-use crate::config::Policy;
+use crate::config::{Policy, Scoring};
+use crate::score::{BlockIndex, Reported};
 
 /// One backend server and what the gateway knows of it.
 #[derive(Debug)]
@@ -35,6 +38,10 @@ pub struct Backend {
     /// Consecutive failed health checks.
     pub health_failures: AtomicU32,
     pub breaker: Mutex<Breaker>,
+    /// Its server's last `/metrics` report (scored pools scrape it).
+    pub reported: Mutex<Option<Reported>>,
+    /// Block hashes of the prompts sent to it (scored pools).
+    pub blocks: Mutex<BlockIndex>,
 }
 
 impl Backend {
@@ -45,6 +52,8 @@ impl Backend {
             healthy: AtomicBool::new(true),
             health_failures: AtomicU32::new(0),
             breaker: Mutex::new(Breaker::new(breaker)),
+            reported: Mutex::new(None),
+            blocks: Mutex::new(BlockIndex::default()),
         }
     }
 
@@ -68,6 +77,7 @@ pub struct Pool {
     backends: RwLock<Vec<Arc<Backend>>>,
     pub policy: Policy,
     pub affinity: Affinity,
+    pub scoring: Scoring,
     next: AtomicUsize,
     /// Requests waiting for a first backend (the activator's hold).
     pub held: AtomicUsize,
@@ -97,9 +107,15 @@ impl Pool {
             backends: RwLock::new(backends),
             policy,
             affinity,
+            scoring: Scoring::default(),
             next: AtomicUsize::new(0),
             held: AtomicUsize::new(0),
         }
+    }
+
+    pub fn with_scoring(mut self, scoring: Scoring) -> Pool {
+        self.scoring = scoring;
+        self
     }
 
     /// The backends now.
@@ -164,6 +180,13 @@ impl Pool {
         match self.policy {
             Policy::RoundRobin => rotated(healthy),
             Policy::LeastOutstanding => by_load(rotated(healthy)),
+            Policy::Scored => crate::score::order(
+                backends,
+                &rotated(healthy),
+                prompt,
+                self.affinity.block_tokens,
+                &self.scoring,
+            ),
             Policy::PrefixAffinity => {
                 let Some(key) = prefix_key(prompt, self.affinity) else {
                     return by_load(rotated(healthy));

@@ -77,7 +77,7 @@ impl Gateway {
                     .remove(&m.name)
                     .unwrap_or_else(|| Counter::bytes(m.context_length));
                 let route = Route {
-                    pool: Pool::new(backends, m.routing, affinity),
+                    pool: Pool::new(backends, m.routing, affinity).with_scoring(cfg.scoring),
                     counter: Arc::new(counter),
                 };
                 (m.name.clone(), route)

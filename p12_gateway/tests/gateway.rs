@@ -268,6 +268,55 @@ async fn routing_policies_distribute_as_specified() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scored_routing_reads_the_servers_reports_and_filters_a_full_kv_pool() {
+    let ok = r#"{"choices":[{"text":"x"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
+    let (m0, m1) = (
+        mock(Script::Status(200, ok)).await,
+        mock(Script::Status(200, ok)).await,
+    );
+    let report = |m: &Mock, waiting: u32, kv: f64| {
+        *m.metrics.lock().unwrap() = format!(
+            "# TYPE vllm:num_requests_waiting gauge\n\
+             vllm:num_requests_waiting{{model_name=\"m\"}} {waiting}\n\
+             vllm:num_requests_running{{model_name=\"m\"}} 1\n\
+             vllm:kv_cache_usage_perc{{model_name=\"m\"}} {kv}\n"
+        );
+    };
+    let (url, g) = gateway(
+        config(&[&m0.url, &m1.url], "scored", "", ""),
+        Arc::new(FakeClock::default()),
+        false,
+    )
+    .await;
+    let send = |i: u32| {
+        let url = url.clone();
+        async move {
+            // Distinct token ids: no prefix is shared, the reports decide.
+            let ids: Vec<u32> = (0..32).map(|t| t * 13 + i * 1000).collect();
+            let body = json!({"model": MODEL, "prompt": ids, "max_tokens": 1});
+            post(&url, "/v1/completions", Some(KEY), &body)
+                .await
+                .status()
+        }
+    };
+    // m0 reports a queue of 9: everything goes to m1.
+    report(&m0, 9, 0.2);
+    report(&m1, 0, 0.2);
+    p12_gateway::score::scrape_all(&g).await;
+    for i in 0..6 {
+        assert_eq!(send(i).await, 200);
+    }
+    assert_eq!((served_by(&g, &m0.url), served_by(&g, &m1.url)), (0, 6));
+    // m1's K/V pool is full: filtered out though its queue is shorter.
+    report(&m1, 0, 0.99);
+    p12_gateway::score::scrape_all(&g).await;
+    for i in 6..10 {
+        assert_eq!(send(i).await, 200);
+    }
+    assert_eq!((served_by(&g, &m0.url), served_by(&g, &m1.url)), (4, 6));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failures_are_retried_on_another_backend_before_the_first_byte() {
     let ok = r#"{"choices":[{"text":"x"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
     let bad = mock(Script::Status(503, r#"{"error":{"message":"busy"}}"#)).await;

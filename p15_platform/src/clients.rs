@@ -84,7 +84,7 @@ impl Clients {
 }
 
 /// One streaming completion, timed.
-async fn one(
+pub async fn one(
     http: &reqwest::Client,
     url: &str,
     model: &str,

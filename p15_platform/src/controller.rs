@@ -75,24 +75,18 @@ pub struct Controller {
 
 /// A server's load for `metric`, from its `/metrics` page.
 fn load_of(text: &str, metric: Metric) -> f64 {
+    let gauge = p12_gateway::score::metric_sum;
     let running = gauge(text, "vllm:num_requests_running");
     let waiting = gauge(text, "vllm:num_requests_waiting");
     match metric {
         Metric::Concurrency => running + waiting,
         Metric::Queue => waiting,
-        Metric::KvUsage => gauge(text, "vllm:gpu_cache_usage_perc"),
+        Metric::KvUsage => gauge(text, "vllm:kv_cache_usage_perc"),
     }
 }
 
 /// Seconds of history kept for the page.
 const HISTORY: usize = 600;
-
-fn gauge(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
 
 impl Controller {
     pub fn new(cfg: ControllerConfig) -> Controller {

@@ -21,6 +21,8 @@ pub mod election;
 pub mod kpa;
 pub mod local;
 pub mod reconcile;
+#[cfg(feature = "bench")]
+pub mod route_bench;
 pub mod router;
 pub mod server;
 pub mod spec;

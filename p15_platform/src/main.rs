@@ -107,6 +107,10 @@ enum Cmd {
     /// rollout: a timeline, a plot and numbers.md rows.
     #[cfg(feature = "bench")]
     Demo(p15_platform::demo::DemoArgs),
+    /// Routing quality: each router policy over three servers on one
+    /// skewed shared-prefix load (hit rate, queue imbalance, TTFT).
+    #[cfg(feature = "bench")]
+    RouteBench(p15_platform::route_bench::RouteBenchArgs),
 }
 
 fn roles(r: &Roles) -> String {
@@ -125,6 +129,10 @@ fn main() -> Result<()> {
     #[cfg(feature = "bench")]
     if let Cmd::Demo(a) = &cli.cmd {
         return p15_platform::demo::run(a);
+    }
+    #[cfg(feature = "bench")]
+    if let Cmd::RouteBench(a) = &cli.cmd {
+        return p15_platform::route_bench::run(a);
     }
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -247,6 +255,8 @@ async fn run(cli: Cli) -> Result<()> {
         Cmd::Server(_) => unreachable!("handled before the runtime starts"),
         #[cfg(feature = "bench")]
         Cmd::Demo(_) => unreachable!("handled before the runtime starts"),
+        #[cfg(feature = "bench")]
+        Cmd::RouteBench(_) => unreachable!("handled before the runtime starts"),
     }
     Ok(())
 }

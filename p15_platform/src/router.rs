@@ -100,6 +100,7 @@ pub async fn run(rc: RouterConfig, config: &Path, listen: Option<String>) -> any
     let g = Arc::new(build(cfg, Arc::new(SystemClock::default()))?);
     let etcd = Etcd::new(rc.etcd.clone(), Duration::from_secs(2));
     tokio::spawn(p12_gateway::health::run(g.clone()));
+    tokio::spawn(p12_gateway::score::run(g.clone()));
     let (g2, e2) = (g.clone(), etcd.clone());
     tokio::spawn(async move {
         loop {

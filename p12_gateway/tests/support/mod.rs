@@ -126,6 +126,8 @@ pub struct Mock {
     pub url: String,
     pub hits: Arc<AtomicUsize>,
     pub bodies: Arc<std::sync::Mutex<Vec<Bytes>>>,
+    /// What its `/metrics` page says (empty until set).
+    pub metrics: Arc<std::sync::Mutex<String>>,
 }
 
 pub async fn mock(script: Script) -> Mock {
@@ -174,14 +176,28 @@ pub async fn mock(script: Script) -> Mock {
             }
         }
     };
+    let metrics = Arc::new(std::sync::Mutex::new(String::new()));
+    let page = metrics.clone();
     let app = Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let page = page.clone();
+                async move { page.lock().unwrap().clone() }
+            }),
+        )
         .route("/v1/completions", post_route(answer.clone()))
         .route("/v1/chat/completions", post_route(answer))
         .route("/health", get(|| async { "ok" }));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await });
-    Mock { url, hits, bodies }
+    Mock {
+        url,
+        hits,
+        bodies,
+        metrics,
+    }
 }
 
 pub const KEY: &str = "sk-test-alice";
