@@ -392,7 +392,10 @@ pub fn run(a: &RouteBenchArgs) -> anyhow::Result<()> {
                 "",
             ));
             rows.push(Row::new(
-                format!("{m}: goodput (TTFT <= {} s)", a.slo_s),
+                format!(
+                    "{m}: goodput (TTFT <= {} s), whole run of {n} x {} s",
+                    a.slo_s, a.seconds
+                ),
                 f.goodput,
                 "req/s",
             ));
