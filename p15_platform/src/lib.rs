@@ -6,20 +6,24 @@
 //! reconciling desired against actual state ([`reconcile`], [`state`]);
 //! the router ([`router`]) follows the endpoints the controller publishes.
 //! The controller serves a live page ([`dashboard`]); [`demo`] runs it
-//! all on one machine ([`local`], [`clients`]). Not built yet: the
-//! Kubernetes operator.
+//! all on one machine ([`local`], [`clients`]); [`route_bench`] measures
+//! the router's policies. For Kubernetes: the same deployment as a custom
+//! resource ([`crd`]) and an operator ([`operator`]) that reconciles it
+//! into a Deployment and a Service.
 //!
 //!   cargo run --release -p p15_platform -- apply -f p15_platform/examples/smollm2.yaml --etcd http://127.0.0.1:2379
 
 pub mod agent;
 pub mod clients;
 pub mod controller;
+pub mod crd;
 pub mod dashboard;
 #[cfg(feature = "bench")]
 pub mod demo;
 pub mod election;
 pub mod kpa;
 pub mod local;
+pub mod operator;
 pub mod reconcile;
 #[cfg(feature = "bench")]
 pub mod route_bench;

@@ -9,6 +9,9 @@
 //!   p15_platform router --config r.toml   the router (Project 12's gateway fed from etcd)
 //!   p15_platform server ...               the model server node agents start
 //!   p15_platform demo                     all of it on this machine: step, chaos, rollout
+//!   p15_platform route-bench              the router's policies on one shared-prefix load
+//!   p15_platform crd                      the ModelDeployment CustomResourceDefinition (YAML)
+//!   p15_platform operator --image IMG     the Kubernetes operator (needs a cluster)
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -103,6 +106,16 @@ enum Cmd {
     },
     /// The model server a node agent runs (Project 10's).
     Server(server::ServerArgs),
+    /// Print the Kubernetes CustomResourceDefinition of ModelDeployment
+    /// (`p15_platform crd | kubectl apply -f -`).
+    Crd,
+    /// Reconcile ModelDeployments on the Kubernetes cluster the
+    /// environment names (kubeconfig, or in-cluster) into Deployments and
+    /// Services of `IMAGE` (which holds p15_platform and the model).
+    Operator {
+        #[arg(long)]
+        image: String,
+    },
     /// The whole platform on this machine through a step, chaos and a
     /// rollout: a timeline, a plot and numbers.md rows.
     #[cfg(feature = "bench")]
@@ -253,6 +266,8 @@ async fn run(cli: Cli) -> Result<()> {
             router::run(rc, &config, listen).await?;
         }
         Cmd::Server(_) => unreachable!("handled before the runtime starts"),
+        Cmd::Crd => print!("{}", p15_platform::crd::crd_yaml()),
+        Cmd::Operator { image } => p15_platform::operator::run(image).await?,
         #[cfg(feature = "bench")]
         Cmd::Demo(_) => unreachable!("handled before the runtime starts"),
         #[cfg(feature = "bench")]
