@@ -81,6 +81,20 @@ fn labels(name: &str) -> BTreeMap<String, String> {
     ])
 }
 
+/// An owned object's metadata: the resource's name and namespace, the
+/// labels, and the resource as its controlling owner (deleting the
+/// resource deletes the object).
+fn metadata(md: &ModelDeployment) -> serde_json::Value {
+    let name = md.name_any();
+    let owner = md.controller_owner_ref(&());
+    json!({
+        "name": name,
+        "namespace": md.namespace(),
+        "labels": labels(&name),
+        "ownerReferences": owner.into_iter().collect::<Vec<_>>(),
+    })
+}
+
 /// The Deployment for a checked spec.
 pub fn deployment(
     md: &ModelDeployment,
@@ -88,16 +102,10 @@ pub fn deployment(
     image: &str,
 ) -> Result<Deployment, OperatorError> {
     let name = md.name_any();
-    let owner = md.controller_owner_ref(&());
     let v = json!({
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {
-            "name": name,
-            "namespace": md.namespace(),
-            "labels": labels(&name),
-            "ownerReferences": owner.into_iter().collect::<Vec<_>>(),
-        },
+        "metadata": metadata(md),
         "spec": {
             "replicas": d.replicas.min.max(1),
             "selector": {"matchLabels": labels(&name)},
@@ -148,16 +156,10 @@ pub fn deployment(
 /// The Service in front of the Deployment's pods.
 pub fn service(md: &ModelDeployment) -> Result<Service, OperatorError> {
     let name = md.name_any();
-    let owner = md.controller_owner_ref(&());
     let v = json!({
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {
-            "name": name,
-            "namespace": md.namespace(),
-            "labels": labels(&name),
-            "ownerReferences": owner.into_iter().collect::<Vec<_>>(),
-        },
+        "metadata": metadata(md),
         "spec": {
             "selector": labels(&name),
             "ports": [{"name": "http", "port": 80, "targetPort": PORT}],

@@ -133,8 +133,13 @@ async fn start_servers(a: &RouteBenchArgs, http: &reqwest::Client) -> anyhow::Re
     Ok(servers)
 }
 
-/// The router for `policy` over `urls`, in this process.
-async fn start_router(urls: &[String], policy: &str) -> anyhow::Result<String> {
+/// The router for `policy` over `urls`, in this process: its URL and its
+/// tasks (aborted when the segment ends, so that a finished router's
+/// health checks and scrapes do not load the next one's servers).
+async fn start_router(
+    urls: &[String],
+    policy: &str,
+) -> anyhow::Result<(String, Vec<tokio::task::JoinHandle<()>>)> {
     let list: Vec<String> = urls.iter().map(|u| format!("\"{u}\"")).collect();
     let text = format!(
         "[health]\ninterval_ms = 500\n[[tenants]]\nname = \"t\"\nmodels = [\"{MODEL}\"]\n\
@@ -148,10 +153,14 @@ async fn start_router(urls: &[String], policy: &str) -> anyhow::Result<String> {
     let g = Arc::new(p12_gateway::build(cfg, Arc::new(SystemClock::default()))?);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
-    tokio::spawn(p12_gateway::health::run(g.clone()));
-    tokio::spawn(p12_gateway::score::run(g.clone()));
-    tokio::spawn(async move { axum::serve(listener, p12_gateway::router(g)).await });
-    Ok(url)
+    let tasks = vec![
+        tokio::spawn(p12_gateway::health::run(g.clone())),
+        tokio::spawn(p12_gateway::score::run(g.clone())),
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, p12_gateway::router(g)).await;
+        }),
+    ];
+    Ok((url, tasks))
 }
 
 async fn counters(http: &reqwest::Client, servers: &[Server]) -> anyhow::Result<(f64, f64)> {
@@ -188,7 +197,7 @@ async fn segment(
 ) -> anyhow::Result<Segment> {
     let http = reqwest::Client::new();
     let urls: Vec<String> = servers.iter().map(|s| s.url.clone()).collect();
-    let router = start_router(&urls, policy).await?;
+    let (router, router_tasks) = start_router(&urls, policy).await?;
     let tok = p06_server::bench::load_tokenizer(MODEL)?;
     let mut rng = Rng::new(seed);
     let systems: Vec<String> = (0..a.prefixes)
@@ -253,6 +262,9 @@ async fn segment(
         t.await?;
     }
     let seconds = t0.elapsed().as_secs_f64();
+    for t in router_tasks {
+        t.abort();
+    }
     let (h1, q1) = counters(&http, servers).await?;
     let records = std::mem::take(&mut *records.lock().unwrap_or_else(|p| p.into_inner()));
     Ok(Segment {

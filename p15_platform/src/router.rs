@@ -1,6 +1,7 @@
 //! The router: Project 12's gateway (keys, limits, token counting, retries,
-//! breakers, prefix affinity) with its backends read from etcd as they
-//! change, and Knative's activator in front of a deployment at zero.
+//! breakers, its routing policies: prefix affinity, or `scored` on the
+//! servers' reported queue and K/V usage) with its backends read from
+//! etcd as they change, and Knative's activator in front of a deployment at zero.
 //!
 //! ```text
 //! every 200 ms: endpoints/<deployment>/... -> that model's pool (no restart;
