@@ -346,11 +346,7 @@ impl Server {
             .await?
             .text()
             .await?;
-        Ok(page
-            .lines()
-            .filter(|l| l.starts_with(name))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum())
+        Ok(crate::score::metric_sum(&page, name))
     }
 }
 
