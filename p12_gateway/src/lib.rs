@@ -22,6 +22,8 @@ pub mod health;
 pub mod limits;
 pub mod metrics;
 pub mod proxy;
+mod relay;
+pub mod resume;
 pub mod routing;
 pub mod score;
 pub mod sse;

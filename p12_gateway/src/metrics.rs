@@ -21,8 +21,11 @@ struct Inner {
     limits: BTreeMap<(String, &'static str), u64>,
     /// (model, backend, reason) → count.
     retries: BTreeMap<(String, String, &'static str), u64>,
-    /// (model, backend) → streams ended by an error event.
+    /// (model, backend) → streams that failed on this backend after their
+    /// first event (resumed elsewhere or ended by an error event).
     stream_errors: BTreeMap<(String, String), u64>,
+    /// (model, backend) → streams continued on this backend after theirs failed.
+    stream_resumes: BTreeMap<(String, String), u64>,
     /// Per bucket, then +Inf.
     added: [u64; BUCKETS_S.len() + 1],
     added_sum_s: f64,
@@ -79,6 +82,14 @@ impl Metrics {
         *self
             .lock()
             .stream_errors
+            .entry((model.into(), backend.into()))
+            .or_default() += 1;
+    }
+
+    pub fn stream_resumed(&self, model: &str, backend: &str) {
+        *self
+            .lock()
+            .stream_resumes
             .entry((model.into(), backend.into()))
             .or_default() += 1;
     }
@@ -149,14 +160,19 @@ impl Metrics {
                 esc(b)
             );
         }
-        let _ = writeln!(o, "# TYPE gateway_stream_errors_total counter");
-        for ((model, b), v) in &m.stream_errors {
-            let _ = writeln!(
-                o,
-                "gateway_stream_errors_total{{model=\"{}\",backend=\"{}\"}} {v}",
-                esc(model),
-                esc(b)
-            );
+        for (name, counts) in [
+            ("gateway_stream_errors_total", &m.stream_errors),
+            ("gateway_stream_resumes_total", &m.stream_resumes),
+        ] {
+            let _ = writeln!(o, "# TYPE {name} counter");
+            for ((model, b), v) in counts {
+                let _ = writeln!(
+                    o,
+                    "{name}{{model=\"{}\",backend=\"{}\"}} {v}",
+                    esc(model),
+                    esc(b)
+                );
+            }
         }
         let _ = writeln!(
             o,

@@ -3,30 +3,34 @@
 //! but only while nothing has been sent to the client. A non-streaming
 //! answer is read whole before it is answered, so a backend that dies
 //! mid-answer is retried invisibly; a stream is committed at its first
-//! event, and a failure after that ends it with an error event (never a
-//! replay: the client has already shown those tokens).
+//! event, and relayed from then on by [`crate::relay`] (which continues it
+//! elsewhere if its backend dies, where it can).
+//!
+//! Each retry reads the pool's order afresh (a platform may have withdrawn
+//! a dead server and published its replacement meanwhile) and tries a
+//! backend this request has not tried first. A backend that refuses the
+//! connection leaves rotation at once; with none left, the request is held
+//! as the activator holds one at zero.
 //!
 //! The reservation is settled when the answer ends: at the backend's
 //! `usage` (asked for on every stream, and dropped from the client's stream
 //! when the client did not ask), else at the prompt plus the chunks
 //! delivered.
 
-use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use futures_util::StreamExt;
 use p06_server::error::ApiError;
-use tokio::sync::mpsc;
 
 use crate::count::Endpoint;
 use crate::limits::Reservation;
+use crate::relay::{first_event, relay};
 use crate::routing::{Backend, Pool};
-use crate::sse::{self, Event};
+use crate::sse;
 use crate::state::Gateway;
 
 /// One request on its way to a backend.
@@ -51,13 +55,17 @@ pub struct Outbound {
 /// attempt waited, or a stream's relay ended early), it releases a
 /// half-open probe slot instead of leaking it, which would keep the
 /// backend out of rotation for good.
-struct Attempt {
+pub(crate) struct Attempt {
     backend: Arc<Backend>,
     judged: bool,
 }
 
 impl Attempt {
-    fn new(b: &Arc<Backend>) -> Attempt {
+    pub(crate) fn backend(&self) -> &Arc<Backend> {
+        &self.backend
+    }
+
+    pub(crate) fn new(b: &Arc<Backend>) -> Attempt {
         b.outstanding.fetch_add(1, Ordering::Relaxed);
         Attempt {
             backend: b.clone(),
@@ -65,12 +73,12 @@ impl Attempt {
         }
     }
 
-    fn success(mut self) {
+    pub(crate) fn success(mut self) {
         self.judged = true;
         self.backend.breaker().success();
     }
 
-    fn failure(mut self, now: Duration) {
+    pub(crate) fn failure(mut self, now: Duration) {
         self.judged = true;
         self.backend.breaker().failure(now);
     }
@@ -87,17 +95,17 @@ impl Drop for Attempt {
 
 /// A failed attempt: why, and the backend's answer when it gave one (the
 /// last is passed on if no attempt succeeds).
-enum Failed {
+pub(crate) enum Failed {
     Connect(String),
     Timeout(&'static str),
     Status(StatusCode, Bytes, HeaderPair),
 }
 
 /// The headers passed on with a backend's answer.
-type HeaderPair = (Option<HeaderValue>, Option<HeaderValue>);
+pub(crate) type HeaderPair = (Option<HeaderValue>, Option<HeaderValue>);
 
 impl Failed {
-    fn reason(&self) -> &'static str {
+    pub(crate) fn reason(&self) -> &'static str {
         match self {
             Failed::Connect(_) => "connect",
             Failed::Timeout(_) => "timeout",
@@ -109,7 +117,7 @@ impl Failed {
 }
 
 /// Full jitter: uniform in [0, min(max, base * 2^(attempt-1))].
-fn backoff(g: &Gateway, attempt: u32) -> Duration {
+pub(crate) fn backoff(g: &Gateway, attempt: u32) -> Duration {
     let r = &g.cfg.retry;
     let cap = r
         .base_ms
@@ -134,12 +142,18 @@ fn passthrough(status: StatusCode, body: Bytes, (ct, retry): HeaderPair) -> Resp
 /// at most the activator's hold (and the request's deadline), as
 /// Knative's activator holds requests while a service scales from zero.
 /// The backends then, or none.
-async fn hold(g: &Gateway, pool: &Pool, out: &Outbound, deadline: Instant) -> Vec<Arc<Backend>> {
+pub(crate) async fn hold(
+    g: &Gateway,
+    pool: &Pool,
+    ids: &[u32],
+    arrived: Instant,
+    deadline: Instant,
+) -> Vec<Arc<Backend>> {
     let hold = Duration::from_millis(g.cfg.activator.hold_ms);
     if hold.is_zero() {
         return Vec::new();
     }
-    let until = (out.arrived + hold).min(deadline);
+    let until = (arrived + hold).min(deadline);
     // Counted while held, also when the client goes away mid-wait (the
     // future is dropped): a leaked count would look like load forever.
     struct Held<'a>(&'a AtomicUsize);
@@ -151,12 +165,62 @@ async fn hold(g: &Gateway, pool: &Pool, out: &Outbound, deadline: Instant) -> Ve
     pool.held.fetch_add(1, Ordering::Relaxed);
     let _held = Held(&pool.held);
     loop {
-        let o = pool.order(&out.ids);
+        let o = pool.order(ids);
         if !o.is_empty() || Instant::now() >= until {
             return o;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// The backend for the next attempt: the first in the policy's order that
+/// this request has not tried and whose breaker lets it through; else the
+/// one it tried the longest ago that is still in the order (and allowed).
+pub(crate) fn pick(
+    order: &[Arc<Backend>],
+    tried: &[Arc<Backend>],
+    now: Duration,
+) -> Option<Arc<Backend>> {
+    let was_tried = |b: &Arc<Backend>| tried.iter().any(|t| Arc::ptr_eq(t, b));
+    order
+        .iter()
+        .filter(|b| !was_tried(b))
+        .find(|b| b.breaker().allow(now))
+        .or_else(|| {
+            tried
+                .iter()
+                .filter(|t| order.iter().any(|b| Arc::ptr_eq(t, b)))
+                .find(|t| t.breaker().allow(now))
+        })
+        .cloned()
+}
+
+/// A backend that refused the connection has nothing listening: out of
+/// rotation at once, not after `failures_to_eject` checks (Envoy's
+/// outlier ejection on connect failures). Only where health checks run,
+/// since one passing check is what brings it back.
+pub(crate) fn eject(g: &Gateway, b: &Backend) {
+    if g.cfg.health.interval_ms > 0 {
+        b.health_failures
+            .store(g.cfg.health.failures_to_eject, Ordering::Relaxed);
+        b.healthy.store(false, Ordering::Relaxed);
+    }
+}
+
+/// An HTTP client error with its causes ("error sending request ...:
+/// client error (Connect): tcp connect error: Connection refused").
+pub(crate) fn describe(e: &reqwest::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        let c_s = c.to_string();
+        if !s.contains(&c_s) {
+            s += ": ";
+            s += &c_s;
+        }
+        cause = c.source();
+    }
+    s
 }
 
 /// Send `out` through `pool`, retrying before the first byte; answer the client.
@@ -170,7 +234,7 @@ pub async fn forward(
     let deadline = out.arrived + Duration::from_millis(t.total_ms);
     let first_byte = Duration::from_millis(t.first_byte_ms);
     let order = match pool.order(&out.ids) {
-        o if o.is_empty() => hold(&g, pool, &out, deadline).await,
+        o if o.is_empty() => hold(&g, pool, &out.ids, out.arrived, deadline).await,
         o => o,
     };
     let status_of = |resp: &Response| resp.status().as_u16();
@@ -189,7 +253,9 @@ pub async fn forward(
     g.metrics.added(out.arrived.elapsed());
     let mut last: Option<Failed> = None;
     let mut timed_out = false;
-    let mut next = 0usize;
+    let mut order = order;
+    // Backends that failed this request, the longest ago first.
+    let mut tried: Vec<Arc<Backend>> = Vec::new();
     for attempt in 0..g.cfg.retry.max_attempts {
         if attempt > 0 {
             let wait = backoff(&g, attempt);
@@ -197,18 +263,15 @@ pub async fn forward(
                 break;
             }
             tokio::time::sleep(wait).await;
+            // The pool may have changed meanwhile (a platform publishes and
+            // withdraws servers, checks eject them): read the order afresh;
+            // with nothing left in rotation, hold as a pool at zero does.
+            order = match pool.order(&out.ids) {
+                o if o.is_empty() => hold(&g, pool, &out.ids, out.arrived, deadline).await,
+                o => o,
+            };
         }
-        // The next backend in the policy's order whose breaker lets it through.
-        let now = g.clock.now();
-        let Some(b) = (0..order.len())
-            .map(|k| &order[(next + k) % order.len()])
-            .position(|b| b.breaker().allow(now))
-            .map(|k| {
-                let i = (next + k) % order.len();
-                next = i + 1;
-                order[i].clone()
-            })
-        else {
+        let Some(b) = pick(&order, &tried, g.clock.now()) else {
             break;
         };
         let attempt_guard = Attempt::new(&b);
@@ -229,7 +292,12 @@ pub async fn forward(
         };
         let failed = match tokio::time::timeout(wait, send).await {
             Err(_) => Failed::Timeout("no response headers in time"),
-            Ok(Err(e)) => Failed::Connect(e.to_string()),
+            Ok(Err(e)) => {
+                if e.is_connect() {
+                    eject(&g, &b);
+                }
+                Failed::Connect(describe(&e))
+            }
             Ok(Ok(resp)) => {
                 let status = resp.status();
                 let headers = (
@@ -239,7 +307,7 @@ pub async fn forward(
                 if status.is_success() && out.stream {
                     match first_event(resp, first_byte.min(left())).await {
                         Ok((events, rest)) => {
-                            let resp = stream(
+                            let resp = relay(
                                 g.clone(),
                                 &out,
                                 attempt_guard,
@@ -300,6 +368,8 @@ pub async fn forward(
             _ => attempt_guard.failure(g.clock.now()),
         }
         g.metrics.retry(&out.model, &b.url, failed.reason());
+        tried.retain(|t| !Arc::ptr_eq(t, &b));
+        tried.push(b);
         last = Some(failed);
     }
     // Nothing reached the client. Connect errors and refusals cost
@@ -333,173 +403,6 @@ pub async fn forward(
     };
     g.metrics
         .request(&out.key, &out.model, "", status_of(&resp));
-    resp
-}
-
-type ByteStream =
-    std::pin::Pin<Box<dyn futures_util::Stream<Item = reqwest::Result<Bytes>> + Send>>;
-
-/// Read until the stream's first `data:` event, the commit point: comments
-/// and keep-alives before it are held back (nothing is sent yet, so a
-/// failure is still retried), and an error event as the first is a failed
-/// attempt, not a stream.
-async fn first_event(
-    resp: reqwest::Response,
-    within: Duration,
-) -> Result<(Vec<Vec<u8>>, (ByteStream, sse::EventSplitter)), Failed> {
-    let mut body: ByteStream = Box::pin(resp.bytes_stream());
-    let mut split = sse::EventSplitter::default();
-    let read = async {
-        let mut held = Vec::new();
-        loop {
-            match body.next().await {
-                Some(Ok(bytes)) => {
-                    let events = split
-                        .push(&bytes)
-                        .map_err(|e| Failed::Connect(e.to_string()))?;
-                    for ev in events {
-                        match sse::classify(&ev) {
-                            sse::Event::Other => held.push(ev),
-                            sse::Event::Error => {
-                                return Err(Failed::Status(
-                                    StatusCode::BAD_GATEWAY,
-                                    Bytes::from(sse::data(&ev).unwrap_or_default()),
-                                    (Some(HeaderValue::from_static("application/json")), None),
-                                ))
-                            }
-                            _ => {
-                                held.push(ev);
-                                return Ok(held);
-                            }
-                        }
-                    }
-                }
-                Some(Err(e)) => return Err(Failed::Connect(e.to_string())),
-                None => {
-                    return Err(Failed::Connect(
-                        "the stream ended before its first event".into(),
-                    ))
-                }
-            }
-        }
-    };
-    match tokio::time::timeout(within, read).await {
-        Err(_) => Err(Failed::Timeout("no first event in time")),
-        Ok(Err(f)) => Err(f),
-        Ok(Ok(events)) => Ok((events, (body, split))),
-    }
-}
-
-/// Relay a committed stream event by event; settle when it ends. The
-/// breaker's verdict waits for the end: a backend that always dies
-/// mid-stream must open it.
-fn stream(
-    g: Arc<Gateway>,
-    out: &Outbound,
-    attempt: Attempt,
-    first: Vec<Vec<u8>>,
-    (mut body, mut split): (ByteStream, sse::EventSplitter),
-    reservation: Reservation,
-    content_type: Option<HeaderValue>,
-) -> Response {
-    let (tx, rx) = mpsc::channel::<Bytes>(64);
-    let deadline = out.arrived + Duration::from_millis(g.cfg.timeouts.total_ms);
-    let (key, keep_usage, prompt_tokens) =
-        (out.key.clone(), out.client_wants_usage, out.prompt_tokens);
-    let model = out.model.clone();
-    tokio::spawn(async move {
-        let url = attempt.backend.url.clone();
-        let mut usage: Option<u64> = None;
-        let mut chunks = 0u64;
-        let (mut done, mut backend_error, mut client_gone) = (false, false, false);
-        let mut pending: std::collections::VecDeque<Vec<u8>> = first.into();
-        let mut failure: Option<String> = None;
-        'relay: loop {
-            // Forward what has arrived, at the client's pace (but never
-            // past the deadline: a client that stops reading lets go).
-            while let Some(ev) = pending.pop_front() {
-                let mut fwd = true;
-                match sse::classify(&ev) {
-                    Event::Chunk => chunks += 1,
-                    Event::Usage(p, c) => {
-                        usage = Some(p.saturating_add(c));
-                        fwd = keep_usage;
-                    }
-                    Event::Done => done = true,
-                    Event::Error => backend_error = true,
-                    Event::Other => {}
-                }
-                if fwd {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    match tokio::time::timeout(left, tx.send(Bytes::from(ev))).await {
-                        Ok(Ok(())) => {}
-                        Ok(Err(_)) => {
-                            client_gone = true; // drop the backend's stream
-                            break 'relay;
-                        }
-                        Err(_) => {
-                            failure =
-                                Some("the client read too slowly for the total timeout".into());
-                            client_gone = true;
-                            break 'relay;
-                        }
-                    }
-                }
-            }
-            if done {
-                break;
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            match tokio::time::timeout(left, body.next()).await {
-                Err(_) => {
-                    failure = Some("the stream ran past the gateway's total timeout".into());
-                    break;
-                }
-                // After its own error event a backend may just close.
-                Ok(None) if backend_error => break,
-                Ok(None) => {
-                    failure = Some("the backend's stream ended before [DONE]".into());
-                    break;
-                }
-                Ok(Some(Err(e))) => {
-                    failure = Some(format!("the backend's stream failed: {e}"));
-                    break;
-                }
-                Ok(Some(Ok(bytes))) => match split.push(&bytes) {
-                    Ok(events) => pending.extend(events),
-                    Err(e) => {
-                        failure = Some(e.to_string());
-                        break;
-                    }
-                },
-            }
-        }
-        let timed_out_on_client = client_gone && failure.is_some();
-        if backend_error || (failure.is_some() && !timed_out_on_client) {
-            attempt.failure(g.clock.now());
-            g.metrics.stream_error(&model, &url);
-        } else if done {
-            attempt.success();
-        } else {
-            drop(attempt); // the client left: no verdict on the backend
-        }
-        if let (Some(msg), false) = (&failure, client_gone) {
-            let _ = tx.send(Bytes::from(sse::error_event(msg))).await;
-        }
-        let used = usage.unwrap_or(prompt_tokens.saturating_add(chunks));
-        g.metrics.tokens(&key, used);
-        reservation.settle(used);
-    });
-    let body = Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|b| (Ok::<Bytes, Infallible>(b), rx))
-    }));
-    let mut resp = Response::new(body);
-    resp.headers_mut().insert(
-        header::CONTENT_TYPE,
-        content_type.unwrap_or(HeaderValue::from_static("text/event-stream")),
-    );
-    resp.headers_mut()
-        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     resp
 }
 

@@ -294,3 +294,35 @@ pub fn metric(g: &Gateway, prefix: &str) -> Option<f64> {
         .find(|l| l.starts_with(prefix))
         .and_then(|l| l.rsplit(' ').next()?.parse().ok())
 }
+
+/// A scripted stream: an event split across reads, the usage, [DONE].
+pub const CHUNKS: [&[u8]; 4] = [
+    b"data: {\"choices\":[{\"index\":0,\"text\":\"Hel\"}]}\n\n",
+    b"data: {\"choices\":[{\"index\":0,\"te",
+    b"xt\":\"lo\",\"finish_reason\":\"stop\"}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":2,\"completion_tokens\":2,\"total_tokens\":4}}\n\n",
+    b"data: [DONE]\n\n",
+];
+
+/// A chat request of MODEL, greedy.
+pub fn chat(content: &str, max_tokens: u64) -> serde_json::Value {
+    serde_json::json!({"model": MODEL, "messages": [{"role": "user", "content": content}],
+           "max_tokens": max_tokens, "temperature": 0})
+}
+
+/// An error answer: its status and body.
+pub async fn error_of(r: reqwest::Response) -> (u16, serde_json::Value) {
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap())
+}
+
+/// A streamed completion's bytes, and how many reads they came in.
+pub async fn stream_bytes(url: &str, body: &serde_json::Value) -> (Vec<u8>, usize) {
+    let mut r = post(url, "/v1/completions", Some(KEY), body).await;
+    assert_eq!(r.status(), 200);
+    let (mut bytes, mut reads) = (Vec::new(), 0);
+    while let Some(c) = r.chunk().await.unwrap() {
+        bytes.extend_from_slice(&c);
+        reads += 1;
+    }
+    (bytes, reads)
+}

@@ -1,0 +1,268 @@
+//! Resuming a completion stream whose backend died after its first event.
+//!
+//! A stream is committed at its first event: the client has shown those
+//! tokens, so the request cannot be sent again from the start. It can be
+//! *continued*: the text the client has been sent is appended to the
+//! prompt and the rest of the budget asked of another backend, whose
+//! events are relayed as if they were the first backend's (its `id` and
+//! `created` stamped on them, its usage counted over the whole answer).
+//!
+//! ```text
+//! client asked   prompt P, max_tokens M, stream
+//! backend A      "Once" " upon" " a"  ✗ (died)
+//! continuation   prompt P + "Once upon a", max_tokens M - 3  -> backend B
+//! backend B      " time" "," ... [DONE]
+//! client sees    "Once" " upon" " a" " time" "," ... [DONE]   (one stream)
+//! ```
+//!
+//! For greedy decoding the continuation is the answer the first backend
+//! would have given, as long as the prompt and the text so far tokenize
+//! back to the ids that produced them (for text a model generated, they
+//! almost always do); a sampled stream continues as another sample from
+//! the same text. Only `/v1/completions` with one string prompt and one
+//! choice (no `echo`, `logprobs`, `best_of` or `suffix`) is resumed: a chat
+//! request would need the backend to continue an unfinished assistant turn,
+//! which the OpenAI API has no field for. A stop string that straddles the
+//! cut is not seen by the continuation.
+
+use axum::body::Bytes;
+use serde_json::{Map, Value};
+
+use crate::count::Endpoint;
+use crate::sse;
+
+/// What a committed stream needs to be continued elsewhere.
+#[derive(Clone, Debug)]
+pub struct Resume {
+    /// The client's request body.
+    body: Map<String, Value>,
+    prompt: String,
+    max_tokens: Option<u64>,
+    /// Text sent to the client so far.
+    text: String,
+    /// Chunks with text sent so far (one token each from our servers).
+    tokens: u64,
+    /// A finish reason was sent: the answer is whole but for `[DONE]`.
+    finished: bool,
+    /// Chunks whose text the latest continuation's prompt carries.
+    moved: u64,
+    /// The first stream's `id` and `created`.
+    id: Option<Value>,
+    created: Option<Value>,
+}
+
+impl Resume {
+    /// The resume state of a request, or None when it cannot be resumed.
+    pub fn new(endpoint: Endpoint, body: &[u8]) -> Option<Resume> {
+        if endpoint != Endpoint::Completions {
+            return None;
+        }
+        let Value::Object(body) = serde_json::from_slice(body).ok()? else {
+            return None;
+        };
+        let prompt = body.get("prompt")?.as_str()?.to_string();
+        let one = |k: &str| {
+            body.get(k)
+                .is_none_or(|v| v.is_null() || v.as_u64() == Some(1))
+        };
+        let off = |k: &str| {
+            body.get(k)
+                .is_none_or(|v| v.is_null() || v.as_bool() == Some(false))
+        };
+        if !one("n") || !one("best_of") || !off("echo") || body.contains_key("suffix") {
+            return None;
+        }
+        if body.get("logprobs").is_some_and(|v| !v.is_null()) {
+            return None;
+        }
+        let max_tokens = match body.get("max_tokens") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(v.as_u64()?),
+        };
+        Some(Resume {
+            body,
+            prompt,
+            max_tokens,
+            text: String::new(),
+            tokens: 0,
+            finished: false,
+            moved: 0,
+            id: None,
+            created: None,
+        })
+    }
+
+    /// Note an event sent to the client (chunks only count).
+    pub fn sent(&mut self, event: &[u8]) {
+        let Some(v) = sse::data(event).and_then(|d| serde_json::from_str::<Value>(&d).ok()) else {
+            return;
+        };
+        if self.id.is_none() {
+            self.id = v.get("id").cloned();
+            self.created = v.get("created").cloned();
+        }
+        if let Some(t) = v.pointer("/choices/0/text").and_then(Value::as_str) {
+            if !t.is_empty() {
+                self.text.push_str(t);
+                self.tokens += 1;
+            }
+        }
+        if v.pointer("/choices/0/finish_reason")
+            .is_some_and(|f| !f.is_null())
+        {
+            self.finished = true;
+        }
+    }
+
+    /// Whether a finish reason was sent (only `[DONE]` is missing).
+    pub fn finished(&self) -> bool {
+        self.finished
+    }
+
+    /// Whether the client was sent text already (before any, a failed
+    /// stream is simply retried).
+    pub fn tokens(&self) -> u64 {
+        self.tokens
+    }
+
+    /// The continuation's body, or None when the budget is spent or a
+    /// finish reason was already sent. Its events go through [`rewrite`].
+    ///
+    /// [`rewrite`]: Resume::rewrite
+    pub fn continuation(&mut self) -> Option<Bytes> {
+        if self.finished {
+            return None;
+        }
+        let left = match self.max_tokens {
+            Some(m) if m <= self.tokens => return None,
+            Some(m) => Some(m - self.tokens),
+            None => None,
+        };
+        self.moved = self.tokens;
+        let mut b = self.body.clone();
+        b.insert(
+            "prompt".into(),
+            Value::String(format!("{}{}", self.prompt, self.text)),
+        );
+        if let Some(left) = left {
+            b.insert("max_tokens".into(), left.into());
+        }
+        // The gateway settles at the usage: always ask for it.
+        let opts = b
+            .entry("stream_options")
+            .or_insert_with(|| Value::Object(Map::new()));
+        if let Value::Object(o) = opts {
+            o.insert("include_usage".into(), true.into());
+        }
+        serde_json::to_vec(&Value::Object(b)).ok().map(Bytes::from)
+    }
+
+    /// An event of the continuation as the client should see it: the first
+    /// stream's `id` and `created`, and usage over the whole answer (the
+    /// text that became prompt counted as completion again).
+    pub fn rewrite(&self, event: Vec<u8>) -> Vec<u8> {
+        let Some(mut v) = sse::data(&event).and_then(|d| serde_json::from_str::<Value>(&d).ok())
+        else {
+            return event; // [DONE], comments
+        };
+        let Some(o) = v.as_object_mut() else {
+            return event;
+        };
+        for (k, was) in [("id", &self.id), ("created", &self.created)] {
+            if let (Some(was), true) = (was, o.contains_key(k)) {
+                o.insert(k.into(), was.clone());
+            }
+        }
+        if let Some(Value::Object(u)) = o.get_mut("usage") {
+            let get = |u: &Map<String, Value>, k: &str| u.get(k).and_then(Value::as_u64);
+            if let (Some(p), Some(c)) = (get(u, "prompt_tokens"), get(u, "completion_tokens")) {
+                let moved = self.moved.min(p);
+                u.insert("prompt_tokens".into(), (p - moved).into());
+                u.insert("completion_tokens".into(), c.saturating_add(moved).into());
+            }
+        }
+        format!("data: {}\n\n", Value::Object(o.clone())).into_bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn event(v: Value) -> Vec<u8> {
+        format!("data: {v}\n\n").into_bytes()
+    }
+
+    fn parse(ev: &[u8]) -> Value {
+        serde_json::from_str(&sse::data(ev).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn only_a_single_string_completion_is_resumable() {
+        let ok = |b: Value| Resume::new(Endpoint::Completions, b.to_string().as_bytes()).is_some();
+        assert!(ok(json!({"prompt": "p", "stream": true})));
+        assert!(ok(
+            json!({"prompt": "p", "n": 1, "echo": false, "logprobs": null})
+        ));
+        assert!(!ok(json!({"prompt": ["a", "b"]})));
+        assert!(!ok(json!({"prompt": [1, 2, 3]})));
+        assert!(!ok(json!({"prompt": "p", "n": 2})));
+        assert!(!ok(json!({"prompt": "p", "echo": true})));
+        assert!(!ok(json!({"prompt": "p", "logprobs": 2})));
+        assert!(!ok(json!({"prompt": "p", "best_of": 3})));
+        assert!(!ok(json!({"prompt": "p", "suffix": "s"})));
+        assert!(!ok(json!({"prompt": "p", "max_tokens": -1})));
+        let chat = json!({"messages": [{"role": "user", "content": "hi"}]});
+        assert!(Resume::new(Endpoint::Chat, chat.to_string().as_bytes()).is_none());
+        assert!(Resume::new(Endpoint::Completions, b"not json").is_none());
+    }
+
+    #[test]
+    fn the_continuation_carries_the_text_sent_and_the_budget_left() {
+        let body = json!({"model": "m", "prompt": "Once", "max_tokens": 5, "stream": true,
+                          "temperature": 0});
+        let mut r = Resume::new(Endpoint::Completions, body.to_string().as_bytes()).unwrap();
+        r.sent(b": keep-alive\n\n");
+        for t in [" upon", "", " a"] {
+            r.sent(&event(
+                json!({"id": "cmpl-1", "created": 7, "choices": [{"text": t}]}),
+            ));
+        }
+        assert_eq!(r.tokens(), 2, "an empty chunk is no token");
+        let c: Value = serde_json::from_slice(&r.continuation().unwrap()).unwrap();
+        assert_eq!(c["prompt"], "Once upon a");
+        assert_eq!(c["max_tokens"], 3);
+        assert_eq!(c["temperature"], 0);
+        assert_eq!(c["stream_options"]["include_usage"], true);
+        // The continuation's events wear the first stream's id; its usage
+        // counts the moved text as completion.
+        let ev = r.rewrite(event(
+            json!({"id": "cmpl-2", "created": 9, "choices": [{"text": " time"}]}),
+        ));
+        assert_eq!(parse(&ev)["id"], "cmpl-1");
+        assert_eq!(parse(&ev)["created"], 7);
+        r.sent(&ev); // the continuation's own text is not what moved
+        let ev = r.rewrite(event(
+            json!({"id": "cmpl-2", "choices": [], "usage": {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}}),
+        ));
+        assert_eq!(parse(&ev)["usage"]["prompt_tokens"], 4);
+        assert_eq!(parse(&ev)["usage"]["completion_tokens"], 5);
+        assert_eq!(r.rewrite(b"data: [DONE]\n\n".to_vec()), b"data: [DONE]\n\n");
+        // Budget spent: nothing to continue.
+        for t in [" b", " c", " d"] {
+            r.sent(&event(json!({"choices": [{"text": t}]})));
+        }
+        assert!(r.continuation().is_none());
+        assert!(!r.finished());
+        r.sent(&event(
+            json!({"choices": [{"text": "", "finish_reason": "length"}]}),
+        ));
+        assert!(r.finished());
+        // No max_tokens: none in the continuation either.
+        let body = json!({"prompt": "x", "stream": true});
+        let mut r = Resume::new(Endpoint::Completions, body.to_string().as_bytes()).unwrap();
+        let c: Value = serde_json::from_slice(&r.continuation().unwrap()).unwrap();
+        assert!(c.get("max_tokens").is_none());
+    }
+}
