@@ -3,7 +3,8 @@
 //! servers (SmolLM2) the agents start. What each test asks of it:
 //! fencing refuses a stale leader's writes; a paused leader's standby
 //! takes over and nothing is started twice; a killed server and a dead
-//! node's servers are replaced while requests keep succeeding; a
+//! node's servers are replaced while requests keep succeeding and no
+//! stream is cut; a
 //! deployment at zero holds its first request, serves it, and scales back
 //! to zero; a rolling update under load fails no request.
 
@@ -17,7 +18,7 @@ use p14_distributed::etcd::{Compare, Op};
 use p15_platform::election::{fenced, fenced_if, Candidate};
 use p15_platform::local::signal_pid;
 use p15_platform::state::generation;
-use support::{complete, deployment, let_routers_see, ready, Platform};
+use support::{complete, deployment, ready, router_sees, Platform, KEY};
 
 const MIN: Duration = Duration::from_secs(60);
 
@@ -112,23 +113,43 @@ fn a_paused_leader_is_replaced_within_its_ttl_and_nothing_starts_twice() {
     }
 }
 
-/// Requests in a loop through the router until stopped; (ok, failed: status and body).
+/// Requests in a loop through the router until stopped, streamed (32
+/// tokens each, so that a kill finds some mid-way) or not; (ok, failed:
+/// what went wrong).
 fn load(
     p: &Arc<Platform>,
     url: String,
     model: &'static str,
     stop: Arc<AtomicBool>,
+    stream: bool,
 ) -> std::thread::JoinHandle<(u32, Vec<String>)> {
     let p = p.clone();
     std::thread::spawn(move || {
         let mut ok = 0;
         let mut failed = Vec::new();
         let t0 = Instant::now();
+        let http = reqwest::Client::new();
         while !stop.load(Ordering::Relaxed) {
-            match complete(&p.rt, &url, model, 8) {
-                (200, _, _) => ok += 1,
-                (code, body, _) => {
-                    failed.push(format!("at {:?}: {code} {body}", t0.elapsed()));
+            let outcome = if stream {
+                let prompt = "The capital of France is";
+                let r = p.rt.block_on(p15_platform::clients::one(
+                    &http, &url, model, KEY, prompt, 32, t0,
+                ));
+                match (r.ok, r.cut) {
+                    (true, _) => Ok(()),
+                    (false, true) => Err(format!("a stream cut: {}", r.error)),
+                    (false, false) => Err(r.error),
+                }
+            } else {
+                match complete(&p.rt, &url, model, 8) {
+                    (200, _, _) => Ok(()),
+                    (code, body, _) => Err(format!("{code} {body}")),
+                }
+            };
+            match outcome {
+                Ok(()) => ok += 1,
+                Err(e) => {
+                    failed.push(format!("at {:?}: {e}", t0.elapsed()));
                     if failed.len() >= 5 {
                         break; // enough to show what failed
                     }
@@ -174,8 +195,11 @@ fn killed_servers_and_a_dead_node_are_replaced_while_requests_succeed() {
     assert_eq!(nodes.len(), 2, "placed by free capacity: one per node");
     let p = Arc::new(p);
     let stop = Arc::new(AtomicBool::new(false));
-    let loads: Vec<_> = (0..2)
-        .map(|_| load(&p, url.clone(), "heal", stop.clone()))
+    // Two clients waiting for whole answers, two streaming: a stream cut
+    // by a kill is continued on another server.
+    let loads: Vec<_> = [false, false, true, true]
+        .into_iter()
+        .map(|stream| load(&p, url.clone(), "heal", stop.clone(), stream))
         .collect();
     std::thread::sleep(Duration::from_secs(1));
     // 1. A server dies.
@@ -191,7 +215,7 @@ fn killed_servers_and_a_dead_node_are_replaced_while_requests_succeed() {
         let r = ready(s, "heal");
         r.len() == 2 && !r.contains(&victim.id)
     });
-    let_routers_see();
+    router_sees(&p, &url, "heal", &s);
     // 2. A node agent dies (its servers with it); its lease runs out.
     let on_n2: Vec<String> = s
         .assignments
@@ -211,6 +235,13 @@ fn killed_servers_and_a_dead_node_are_replaced_while_requests_succeed() {
     assert!(s.nodes.iter().all(|n| n.id != "n2"), "n2's lease expired");
     std::thread::sleep(Duration::from_secs(1));
     finish(loads, &stop);
+    let page = p.rt.block_on(async {
+        let r = reqwest::get(format!("{url}/metrics")).await.ok()?;
+        r.text().await.ok()
+    });
+    let resumed =
+        p12_gateway::score::metric_sum(&page.unwrap_or_default(), "gateway_stream_resumes_total");
+    eprintln!("streams continued on another server after a kill: {resumed}");
 }
 
 #[test]
@@ -263,7 +294,7 @@ fn a_rolling_update_under_load_fails_no_request() {
     let p = Arc::new(p);
     let stop = Arc::new(AtomicBool::new(false));
     let loads: Vec<_> = (0..2)
-        .map(|_| load(&p, url.clone(), "roll", stop.clone()))
+        .map(|_| load(&p, url.clone(), "roll", stop.clone(), false))
         .collect();
     std::thread::sleep(Duration::from_secs(1));
     let after = deployment("roll", "weights: f32");

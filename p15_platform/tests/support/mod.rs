@@ -119,9 +119,45 @@ pub fn ready(s: &Snapshot, deployment: &str) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// Routers read the endpoints every 200 ms: wait that and a margin.
-pub fn let_routers_see() {
-    std::thread::sleep(Duration::from_millis(500));
+/// Wait until the router at `router` routes `deployment` to exactly the
+/// endpoints published in `s`, all healthy (from its `/metrics`); routers
+/// read the endpoints every 200 ms, later on a loaded machine.
+pub fn router_sees(p: &Platform, router: &str, deployment: &str, s: &Snapshot) {
+    let mut want: Vec<String> = s.endpoints.get(deployment).map_or(Vec::new(), |v| {
+        v.iter()
+            .map(|(_, u)| u.trim_end_matches('/').to_string())
+            .collect()
+    });
+    want.sort();
+    let prefix = format!("gateway_backend_healthy{{model=\"{deployment}\",backend=\"");
+    let http = reqwest::Client::new();
+    let t0 = std::time::Instant::now();
+    let mut seen = Vec::new();
+    while t0.elapsed() < Duration::from_secs(20) {
+        let page = p.rt.block_on(async {
+            let r = http
+                .get(format!("{router}/metrics"))
+                .timeout(Duration::from_secs(2))
+                .send()
+                .await
+                .ok()?;
+            r.text().await.ok()
+        });
+        if let Some(page) = page {
+            seen = page
+                .lines()
+                .filter_map(|l| l.strip_prefix(&prefix))
+                .filter_map(|l| l.strip_suffix("\"} 1"))
+                .map(str::to_string)
+                .collect();
+            seen.sort();
+            if seen == want {
+                return;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("the router never routed {deployment} to {want:?}; it had {seen:?}");
 }
 
 /// One completion through `url` (a fresh client: no connection reuse
