@@ -63,7 +63,12 @@ impl Clients {
                     let prompt = PROMPTS[n % PROMPTS.len()];
                     n += 1;
                     let r = one(&http, &url, &model, &key, prompt, max_tokens, t0).await;
+                    let failed = !r.ok;
                     records.lock().unwrap_or_else(|p| p.into_inner()).push(r);
+                    if failed {
+                        // A client backs off rather than spin on a refusal.
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
                 }
             });
         }

@@ -7,7 +7,8 @@
 //! the router ([`router`]) follows the endpoints the controller publishes.
 //! The controller serves a live page ([`dashboard`]); [`demo`] runs it
 //! all on one machine ([`local`], [`clients`]); [`route_bench`] measures
-//! the router's policies. For Kubernetes: the same deployment as a custom
+//! the router's policies, [`scale_bench`] the autoscaler against Ray
+//! Serve's ([`measure`]: replica-seconds, flaps). For Kubernetes: the same deployment as a custom
 //! resource ([`crd`]) and an operator ([`operator`]) that reconciles it
 //! into a Deployment and a Service.
 //!
@@ -23,11 +24,15 @@ pub mod demo;
 pub mod election;
 pub mod kpa;
 pub mod local;
+#[cfg(feature = "bench")]
+pub mod measure;
 pub mod operator;
 pub mod reconcile;
 #[cfg(feature = "bench")]
 pub mod route_bench;
 pub mod router;
+#[cfg(feature = "bench")]
+pub mod scale_bench;
 pub mod server;
 pub mod spec;
 pub mod state;

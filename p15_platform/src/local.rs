@@ -36,6 +36,9 @@ pub struct Local {
     pub dir: PathBuf,
     /// Where the children's output goes (None: inherited).
     pub quiet: bool,
+    /// Environment the platform's processes (and the servers the agents
+    /// start) get beside this one's.
+    pub env: Vec<(String, String)>,
 }
 
 /// Project 12's gateway config for a router in front of `models` (their
@@ -94,12 +97,14 @@ impl Local {
             router: None,
             dir: temp_dir("p15")?,
             quiet: true,
+            env: Vec::new(),
         })
     }
 
     fn cmd(&self, args: &[&str]) -> Command {
         let mut c = Command::new(&self.exe);
         c.arg("--etcd").arg(self.etcd.urls.join(",")).args(args);
+        c.envs(self.env.iter().map(|(k, v)| (k, v)));
         c.stdin(Stdio::null()).stdout(Stdio::null());
         if self.quiet {
             c.stderr(Stdio::null());

@@ -124,6 +124,10 @@ enum Cmd {
     /// skewed shared-prefix load (hit rate, queue imbalance, TTFT).
     #[cfg(feature = "bench")]
     RouteBench(p15_platform::route_bench::RouteBenchArgs),
+    /// The autoscaler against Ray Serve's on a step and a ramp: SLO
+    /// attainment, goodput, replica-seconds, reaction, flaps.
+    #[cfg(feature = "bench")]
+    ScaleBench(p15_platform::scale_bench::ScaleBenchArgs),
 }
 
 fn roles(r: &Roles) -> String {
@@ -146,6 +150,10 @@ fn main() -> Result<()> {
     #[cfg(feature = "bench")]
     if let Cmd::RouteBench(a) = &cli.cmd {
         return p15_platform::route_bench::run(a);
+    }
+    #[cfg(feature = "bench")]
+    if let Cmd::ScaleBench(a) = &cli.cmd {
+        return p15_platform::scale_bench::run(a);
     }
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -272,6 +280,8 @@ async fn run(cli: Cli) -> Result<()> {
         Cmd::Demo(_) => unreachable!("handled before the runtime starts"),
         #[cfg(feature = "bench")]
         Cmd::RouteBench(_) => unreachable!("handled before the runtime starts"),
+        #[cfg(feature = "bench")]
+        Cmd::ScaleBench(_) => unreachable!("handled before the runtime starts"),
     }
     Ok(())
 }

@@ -147,6 +147,25 @@ fn json<T: for<'a> Deserialize<'a>>(kv: &Kv, bad: &mut Vec<String>) -> Option<T>
 }
 
 impl Snapshot {
+    /// Servers assigned and not stopped or failed (starting, ready or
+    /// draining): what the fleet runs.
+    pub fn running(&self) -> usize {
+        self.assignments
+            .iter()
+            .filter(|a| {
+                !matches!(
+                    self.servers.get(&a.id).map(|st| st.phase),
+                    Some(Reported::Stopped | Reported::Failed)
+                )
+            })
+            .count()
+    }
+
+    /// `deployment`'s published endpoints (what routers send to).
+    pub fn ready(&self, deployment: &str) -> usize {
+        self.endpoints.get(deployment).map_or(0, Vec::len)
+    }
+
     pub async fn read(etcd: &Etcd) -> Result<Snapshot, EtcdError> {
         let (kvs, revision) = etcd.get_prefix(ROOT).await?;
         let mut s = Snapshot {

@@ -74,17 +74,7 @@ fn deployment(weights: &str) -> ModelDeployment {
     ModelDeployment::from_yaml(&yaml, "the demo deployment").expect("a valid deployment")
 }
 
-/// The state every half second, for the plot and the figures.
-#[derive(Clone, Debug, Default)]
-pub struct Sample {
-    pub t: f64,
-    pub clients: usize,
-    /// Servers running (starting, ready or draining).
-    pub running: usize,
-    /// Published endpoints (what the router routes to).
-    pub ready: usize,
-    pub desired: Option<f64>,
-}
+pub use crate::measure::Sample;
 
 /// What one run of the scenario saw (times in seconds from its start).
 #[derive(Clone, Debug, Default)]
@@ -121,23 +111,19 @@ impl Timeline {
 }
 
 fn running(s: &Snapshot) -> usize {
-    s.assignments
-        .iter()
-        .filter(|a| {
-            !matches!(
-                s.servers.get(&a.id).map(|st| st.phase),
-                Some(Reported::Stopped | Reported::Failed)
-            )
-        })
-        .count()
+    s.running()
 }
 
 fn ready(s: &Snapshot) -> usize {
-    s.endpoints.get(NAME).map_or(0, Vec::len)
+    s.ready(NAME)
 }
 
-/// `p15_replicas_desired` from whichever controller leads.
-async fn desired(http: &reqwest::Client, controllers: &[String]) -> Option<f64> {
+/// `name`'s `p15_replicas_desired` from whichever controller leads.
+pub(crate) async fn desired(
+    http: &reqwest::Client,
+    controllers: &[String],
+    name: &str,
+) -> Option<f64> {
     for url in controllers {
         let Ok(r) = http
             .get(format!("{url}/metrics"))
@@ -153,7 +139,7 @@ async fn desired(http: &reqwest::Client, controllers: &[String]) -> Option<f64> 
         }
         let line = text
             .lines()
-            .find(|l| l.starts_with(&format!("p15_replicas_desired{{deployment=\"{NAME}\"}}")))?;
+            .find(|l| l.starts_with(&format!("p15_replicas_desired{{deployment=\"{name}\"}}")))?;
         return line.rsplit(' ').next()?.parse().ok();
     }
     None
@@ -249,7 +235,7 @@ async fn scenario(a: &DemoArgs) -> anyhow::Result<Run> {
                         clients: clients_now.load(std::sync::atomic::Ordering::Relaxed),
                         running: running(&s),
                         ready: ready(&s),
-                        desired: desired(&http, &urls).await,
+                        desired: desired(&http, &urls, NAME).await,
                     };
                     if smp.desired.is_some() && smp.desired != last {
                         let was = last.map_or("-".into(), |d: f64| d.to_string());

@@ -9,6 +9,8 @@ use common::numbers::{command_line, Recorder, Row};
 use common::plot::{line_chart, Labels, Scale, Series};
 use common::stats::percentile_sorted;
 
+use crate::measure::{flaps, pct, replica_seconds, rows_of, sorted};
+
 use super::{DemoArgs, Run, TARGET};
 use crate::clients::Record;
 
@@ -25,51 +27,15 @@ pub struct Figures {
     pub flaps: usize,
 }
 
-fn pct(v: &[f64], q: f64) -> f64 {
-    if v.is_empty() {
-        f64::NAN
-    } else {
-        percentile_sorted(v, q)
-    }
-}
-
-fn sorted(mut v: Vec<f64>) -> Vec<f64> {
-    v.sort_by(f64::total_cmp);
-    v
-}
-
 pub fn figures(run: &Run) -> Figures {
     let failed: Vec<&Record> = run.records.iter().filter(|r| !r.ok).collect();
     // In flight when a server or its node was killed: cut with it.
     let at_kill = |r: &Record| run.kills.iter().any(|&k| r.start <= k && k <= r.end + 0.5);
     let n_kill = failed.iter().filter(|r| at_kill(r)).count();
     // Replica-seconds: servers running against ceil(clients / target).
-    let (mut actual, mut ideal) = (0.0, 0.0);
-    for w in run.samples.windows(2) {
-        let dt = w[1].t - w[0].t;
-        actual += w[0].running as f64 * dt;
-        ideal += (w[0].clients as f64 / TARGET).ceil() * dt;
-    }
+    let (actual, ideal) = replica_seconds(&run.samples, TARGET, 0);
     // Flaps: the desired count changing direction while the load holds.
-    let mut flaps = 0;
-    let mut last_dir = 0i32;
-    let in_steady = |t: f64| run.steady.iter().any(|&(a, b)| a <= t && t <= b);
-    for w in run.samples.windows(2) {
-        let (Some(d0), Some(d1)) = (w[0].desired, w[1].desired) else {
-            continue;
-        };
-        if w[0].clients != w[1].clients || !in_steady(w[0].t) || !in_steady(w[1].t) {
-            last_dir = 0;
-            continue;
-        }
-        let dir = (d1 - d0).signum() as i32;
-        if dir != 0 {
-            if last_dir != 0 && dir != last_dir {
-                flaps += 1;
-            }
-            last_dir = dir;
-        }
-    }
+    let flaps = flaps(&run.samples, &run.steady, |s| s.desired);
     Figures {
         requests: run.records.len(),
         at_kill: n_kill,
@@ -162,27 +128,6 @@ const EVENTS: [(&str, &str, &str); 9] = [
         "stable window 20 s + grace 4 s",
     ),
 ];
-
-/// Rows of `values` (one per run): median and p95 from 5 runs, the one
-/// value from one, the maximum from 2 to 4.
-fn rows_of(metric: &str, values: Vec<f64>, unit: &str, pred: &str) -> Vec<Row> {
-    let v = sorted(values);
-    match v.len() {
-        0 => Vec::new(),
-        1 => vec![Row::new(format!("{metric}, one run"), v[0], unit).predicted(pred)],
-        n if n < common::numbers::MIN_SAMPLES => {
-            vec![Row::new(format!("{metric}, maximum of {n} runs"), v[n - 1], unit).predicted(pred)]
-        }
-        n => Row::median_p95(
-            format!("{metric}, of {n} runs"),
-            pct(&v, 50.0),
-            pct(&v, 95.0),
-            unit,
-            pred,
-        )
-        .into(),
-    }
-}
 
 /// Append the runs' rows to numbers.md.
 pub fn record(a: &DemoArgs, runs: &[Run]) -> anyhow::Result<()> {
