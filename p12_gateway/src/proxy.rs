@@ -105,6 +105,20 @@ pub(crate) enum Failed {
 pub(crate) type HeaderPair = (Option<HeaderValue>, Option<HeaderValue>);
 
 impl Failed {
+    /// What went wrong, in words.
+    pub(crate) fn describe(&self) -> String {
+        match self {
+            Failed::Connect(e) => e.clone(),
+            Failed::Timeout(what) => what.to_string(),
+            Failed::Status(s, body, _) => {
+                format!(
+                    "{s} {}",
+                    String::from_utf8_lossy(&body[..body.len().min(200)])
+                )
+            }
+        }
+    }
+
     pub(crate) fn reason(&self) -> &'static str {
         match self {
             Failed::Connect(_) => "connect",

@@ -96,23 +96,28 @@ struct Request {
     prompt_tokens: u64,
 }
 
-/// Send a continuation (`body`) to a backend of the model's pool that has not failed
-/// this stream (`failed`), retrying as a request is retried; the attempt
-/// and the opened stream, or None.
+/// Send a continuation (`body`) to a backend of the model's pool that has
+/// not failed this stream (`failed`), retrying as a request is retried;
+/// the attempt and the opened stream, or why there is none.
 async fn reopen(
     g: &Arc<Gateway>,
     req: &Request,
     body: Bytes,
     failed: &[Arc<Backend>],
-) -> Option<(Attempt, Opened)> {
-    let pool = &g.routes.get(&req.model)?.pool;
+) -> Result<(Attempt, Opened), String> {
+    let none = || format!("no other backend of `{}` is in rotation", req.model);
+    let Some(route) = g.routes.get(&req.model) else {
+        return Err(none());
+    };
+    let pool = &route.pool;
+    let mut last = none();
     let first_byte = Duration::from_millis(g.cfg.timeouts.first_byte_ms);
     let mut tried: Vec<Arc<Backend>> = failed.to_vec();
     for attempt in 0..g.cfg.retry.max_attempts {
         if attempt > 0 {
             let wait = backoff(g, attempt);
             if Instant::now() + wait >= req.deadline {
-                return None;
+                return Err(format!("{last} (and no time left to retry)"));
             }
             tokio::time::sleep(wait).await;
         }
@@ -122,7 +127,9 @@ async fn reopen(
             order = hold(g, pool, &req.ids, req.arrived, req.deadline).await;
             order.retain(|b| !failed.iter().any(|f| Arc::ptr_eq(f, b)));
         }
-        let b = pick(&order, &tried, g.clock.now())?;
+        let Some(b) = pick(&order, &tried, g.clock.now()) else {
+            return Err(last);
+        };
         let guard = Attempt::new(&b);
         let left = req.deadline.saturating_duration_since(Instant::now());
         let send = g
@@ -145,16 +152,17 @@ async fn reopen(
             Ok(Ok(resp)) => Err(Failed::Status(resp.status(), Bytes::new(), (None, None))),
         };
         match opened {
-            Ok(o) => return Some((guard, o)),
+            Ok(o) => return Ok((guard, o)),
             Err(f) => {
                 guard.failure(g.clock.now());
                 g.metrics.retry(&req.model, &b.url, f.reason());
+                last = format!("{}: {}", b.url, f.describe());
                 tried.retain(|t| !Arc::ptr_eq(t, &b));
                 tried.push(b);
             }
         }
     }
-    None
+    Err(last)
 }
 
 /// Relay a committed stream event by event; settle when it ends. The
@@ -259,29 +267,30 @@ pub(crate) fn relay(
             }
             g.metrics
                 .stream_error(&req.model, &failed[failed.len() - 1].url);
-            match resume.as_mut() {
-                // Only [DONE] was missing.
-                Some(r) if r.finished() => {
-                    pending.push_back(b"data: [DONE]\n\n".to_vec());
+            let why = match resume.as_mut() {
+                // The answer is whole but for its closing events.
+                Some(r) if r.finished() || r.spent() => {
+                    pending.extend(r.closing(req.prompt_tokens));
                     continue;
                 }
-                Some(r) if resumed < MAX_RESUMES => {
-                    let Some(cont) = r.continuation() else {
-                        failure = Some(broke);
-                        break;
-                    };
-                    if let Some((a, (first, rest))) = reopen(&g, &req, cont, &failed).await {
-                        g.metrics.stream_resumed(&req.model, &a.backend().url);
-                        resumed += 1;
-                        attempt = Some(a);
-                        (body, split) = rest;
-                        pending.extend(first.into_iter().map(|e| r.rewrite(e)));
-                        continue;
-                    }
-                }
-                _ => {}
-            }
-            failure = Some(broke);
+                Some(r) if resumed < MAX_RESUMES => match r.continuation() {
+                    None => "nothing left to ask for".to_string(),
+                    Some(cont) => match reopen(&g, &req, cont, &failed).await {
+                        Ok((a, (first, rest))) => {
+                            g.metrics.stream_resumed(&req.model, &a.backend().url);
+                            resumed += 1;
+                            attempt = Some(a);
+                            (body, split) = rest;
+                            pending.extend(first.into_iter().map(|e| r.rewrite(e)));
+                            continue;
+                        }
+                        Err(why) => why,
+                    },
+                },
+                Some(_) => format!("resumed {MAX_RESUMES} times already"),
+                None => "only a single-choice completion with a text prompt can be".into(),
+            };
+            failure = Some(format!("{broke}; not continued elsewhere: {why}"));
             break;
         }
         if let Some(a) = attempt {

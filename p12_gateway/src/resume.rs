@@ -19,7 +19,9 @@
 //! would have given, as long as the prompt and the text so far tokenize
 //! back to the ids that produced them (for text a model generated, they
 //! almost always do); a sampled stream continues as another sample from
-//! the same text. Only `/v1/completions` with one string prompt and one
+//! the same text. A stream cut after its last token (the budget spent)
+//! or its finish reason is closed by the gateway instead: the finish
+//! chunk, the usage, `[DONE]`. Only `/v1/completions` with one string prompt and one
 //! choice (no `echo`, `logprobs`, `best_of` or `suffix`) is resumed: a chat
 //! request would need the backend to continue an unfinished assistant turn,
 //! which the OpenAI API has no field for. A stop string that straddles the
@@ -117,6 +119,50 @@ impl Resume {
     /// Whether a finish reason was sent (only `[DONE]` is missing).
     pub fn finished(&self) -> bool {
         self.finished
+    }
+
+    /// Whether the client has every token it asked for (only the closing
+    /// events are missing).
+    pub fn spent(&self) -> bool {
+        self.max_tokens.is_some_and(|m| self.tokens >= m)
+    }
+
+    /// The events that close an answer that is whole but for them: the
+    /// finish chunk (`length`: the budget is spent) unless one was sent,
+    /// the usage chunk (`prompt_tokens` as the gateway counted them), and
+    /// `[DONE]`.
+    pub fn closing(&self, prompt_tokens: u64) -> Vec<Vec<u8>> {
+        let head = |o: &mut Map<String, Value>| {
+            for (k, v) in [("id", &self.id), ("created", &self.created)] {
+                if let Some(v) = v {
+                    o.insert(k.into(), v.clone());
+                }
+            }
+            o.insert("object".into(), "text_completion".into());
+            if let Some(m) = self.body.get("model") {
+                o.insert("model".into(), m.clone());
+            }
+        };
+        let event = |o: Map<String, Value>| format!("data: {}\n\n", Value::Object(o)).into_bytes();
+        let mut out = Vec::new();
+        if !self.finished {
+            let mut o = Map::new();
+            head(&mut o);
+            let choice = serde_json::json!({"index": 0, "text": "", "logprobs": null,
+                                            "finish_reason": "length"});
+            o.insert("choices".into(), Value::Array(vec![choice]));
+            out.push(event(o));
+        }
+        let mut o = Map::new();
+        head(&mut o);
+        o.insert("choices".into(), Value::Array(Vec::new()));
+        let usage = serde_json::json!({"prompt_tokens": prompt_tokens,
+            "completion_tokens": self.tokens,
+            "total_tokens": prompt_tokens.saturating_add(self.tokens)});
+        o.insert("usage".into(), usage);
+        out.push(event(o));
+        out.push(b"data: [DONE]\n\n".to_vec());
+        out
     }
 
     /// Whether the client was sent text already (before any, a failed
@@ -254,11 +300,24 @@ mod tests {
             r.sent(&event(json!({"choices": [{"text": t}]})));
         }
         assert!(r.continuation().is_none());
-        assert!(!r.finished());
+        assert!(r.spent() && !r.finished());
+        // Spent: the answer closes here, with a finish reason, the usage
+        // and [DONE], as the first stream's.
+        let close = r.closing(4);
+        assert_eq!(close.len(), 3);
+        let fin = parse(&close[0]);
+        assert_eq!(fin["choices"][0]["finish_reason"], "length");
+        assert_eq!(
+            (fin["id"].clone(), fin["model"].clone()),
+            (json!("cmpl-1"), json!("m"))
+        );
+        assert_eq!(sse::classify(&close[1]), sse::Event::Usage(4, 6));
+        assert_eq!(close[2], b"data: [DONE]\n\n");
         r.sent(&event(
             json!({"choices": [{"text": "", "finish_reason": "length"}]}),
         ));
         assert!(r.finished());
+        assert_eq!(r.closing(4).len(), 2, "no second finish chunk");
         // No max_tokens: none in the continuation either.
         let body = json!({"prompt": "x", "stream": true});
         let mut r = Resume::new(Endpoint::Completions, body.to_string().as_bytes()).unwrap();

@@ -420,6 +420,32 @@ async fn a_completion_stream_cut_mid_way_is_continued_on_another_backend() {
         takes_over.url
     );
     assert_eq!(metric(&g, &resumed), Some(1.0));
+    // Cut after its last token: closed by the gateway (finish reason,
+    // usage, [DONE]); nothing more is asked of anyone.
+    let spent = json!({"model": MODEL, "prompt": "Hi", "max_tokens": 1, "stream": true,
+                       "stream_options": {"include_usage": true}});
+    let (bytes, _) = stream_bytes(&url, &spent).await;
+    let evs = events(&bytes);
+    assert_eq!(text_of(&evs), "Hel");
+    assert_eq!(
+        evs.last().unwrap(),
+        "[DONE]",
+        "{}",
+        String::from_utf8_lossy(&bytes)
+    );
+    let fin = evs
+        .iter()
+        .find_map(|v| v.pointer("/choices/0/finish_reason")?.as_str());
+    assert_eq!(fin, Some("length"));
+    assert_eq!(
+        evs.iter().find_map(|v| v.get("usage")).unwrap()["completion_tokens"],
+        1
+    );
+    assert_eq!(
+        takes_over.bodies.lock().unwrap().len(),
+        1,
+        "no second continuation"
+    );
     // A chat stream cannot be continued: cut, it ends with an error event.
     let cfg = config(&[&dies.url, &takes_over.url], "round-robin", "", "");
     let (url, _) = gateway(cfg, Arc::new(FakeClock::default()), false).await;
