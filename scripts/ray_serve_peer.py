@@ -82,17 +82,45 @@ def die_with_parent():
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
 
 
+def spawn_kept(args):
+    """Start `args` from a thread that lives as long as the child.
+
+    PR_SET_PDEATHSIG fires when the *thread* that forked the child ends,
+    not its process: started from the thread that runs a replica's
+    constructor (which Ray may let go once the replica is up), the server
+    was killed seconds after serving its first request (a replica whose
+    every request then failed to connect). A keeper thread that waits on
+    the child ends only with it, or with the replica's process."""
+    box = {}
+    started = threading.Event()
+
+    def keeper():
+        try:
+            box["proc"] = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+        except Exception as e:  # reported to the constructor
+            box["error"] = e
+        started.set()
+        if "proc" in box:
+            box["proc"].wait()
+
+    threading.Thread(target=keeper, daemon=True).start()
+    started.wait()
+    if "error" in box:
+        raise box["error"]
+    return box["proc"]
+
+
 @serve.deployment
 class Replica:
     def __init__(self, exe, model, weights, name):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
+        self.proc = spawn_kept(
             [exe, "server", "--model", model, "--weights", weights,
              "--host", "127.0.0.1", "--port", str(self.port),
-             "--served-model-name", name, "--shutdown-grace-s", "30"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+             "--served-model-name", name, "--shutdown-grace-s", "30"])
         deadline = time.time() + 300
         while True:
             if self.proc.poll() is not None:

@@ -53,7 +53,9 @@ impl Drop for Proc {
     }
 }
 
-/// Spawn `cmd` so that it dies with this process (PR_SET_PDEATHSIG).
+/// Spawn `cmd` so that it dies with this process (PR_SET_PDEATHSIG). The
+/// signal comes when the *thread* that spawned it ends: call this from a
+/// thread that lives as long as the child (not a blocking-pool thread).
 pub fn spawn(name: &str, mut cmd: Command, dir: Option<PathBuf>) -> anyhow::Result<Proc> {
     use std::os::unix::process::CommandExt;
     // SAFETY: prctl in the child between fork and exec; it touches no

@@ -138,7 +138,13 @@ mod tests {
         // Monotone is no flap, also with holds between the moves.
         let mono = [s(0.0, 8, 1), s(1.0, 8, 2), s(2.0, 8, 4)];
         assert_eq!(flaps(&mono, &[(0.0, 2.0)], count), 0);
-        let down = [s(0.0, 0, 4), s(1.0, 0, 4), s(2.0, 0, 3), s(3.0, 0, 3), s(4.0, 0, 2)];
+        let down = [
+            s(0.0, 0, 4),
+            s(1.0, 0, 4),
+            s(2.0, 0, 3),
+            s(3.0, 0, 3),
+            s(4.0, 0, 2),
+        ];
         assert_eq!(flaps(&down, &[(0.0, 4.0)], count), 0);
         // A hold between a rise and a fall does not hide the turn.
         let turn = [s(0.0, 8, 1), s(1.0, 8, 2), s(2.0, 8, 2), s(3.0, 8, 1)];

@@ -73,6 +73,18 @@ pub fn print(a: &ScaleBenchArgs, t: &Trial) {
         f.reaction.map_or("none".into(), |r| format!("{r:.1} s")),
         f.flaps
     );
+    // Why requests failed, the commonest first (at most three reasons).
+    let mut why: Vec<(usize, &str)> = Vec::new();
+    for r in t.records.iter().filter(|r| !r.ok) {
+        match why.iter_mut().find(|(_, e)| *e == r.error) {
+            Some((n, _)) => *n += 1,
+            None => why.push((1, &r.error)),
+        }
+    }
+    why.sort_by_key(|w| std::cmp::Reverse(w.0));
+    for (n, e) in why.iter().take(3) {
+        println!("  failed x{n}: {e}");
+    }
     // The replica count's changes: "t:running(ready)".
     let mut changes = Vec::new();
     let mut last = None;
