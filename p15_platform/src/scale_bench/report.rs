@@ -123,7 +123,7 @@ pub fn plot(a: &ScaleBenchArgs, trials: &[Trial]) -> anyhow::Result<()> {
             })
             .collect();
         let mut series = vec![Series::new("ideal max(1, ceil(clients / 2))", ideal)];
-        for t in last {
+        for t in &last {
             let pts = t.samples.iter().map(|s| (s.t, s.running as f64)).collect();
             series.push(Series::new(
                 format!("{}: replicas running", t.system.name()),
@@ -131,7 +131,15 @@ pub fn plot(a: &ScaleBenchArgs, trials: &[Trial]) -> anyhow::Result<()> {
             ));
         }
         std::fs::create_dir_all(&a.plots)?;
-        let path = a.plots.join(format!("scale_{}.png", p.name()));
+        // A run of fewer systems than all three draws its own file, so
+        // that it does not replace the comparison's plot.
+        let mut systems: Vec<&str> = last.iter().map(|t| t.system.name()).collect();
+        systems.sort_unstable();
+        let name = match systems[..] {
+            ["kpa", "ray-default", "ray-ours"] => format!("scale_{}.png", p.name()),
+            _ => format!("scale_{}_{}.png", p.name(), systems.join("_")),
+        };
+        let path = a.plots.join(name);
         line_chart(
             &path,
             Labels {
