@@ -8,9 +8,9 @@
 //! The controller serves a live page ([`dashboard`]); [`demo`] runs it
 //! all on one machine ([`local`], [`clients`]); [`route_bench`] measures
 //! the router's policies, [`scale_bench`] the autoscaler against Ray
-//! Serve's ([`measure`]: replica-seconds, flaps). For Kubernetes: the same deployment as a custom
-//! resource ([`crd`]) and an operator ([`operator`]) that reconciles it
-//! into a Deployment and a Service.
+//! Serve's ([`measure`]: replica-seconds, flaps). For Kubernetes: the
+//! same deployment as a custom resource ([`crd`]) and an operator
+//! ([`operator`]) that reconciles it into a Deployment and a Service.
 //!
 //!   cargo run --release -p p15_platform -- apply -f p15_platform/examples/smollm2.yaml --etcd http://127.0.0.1:2379
 
