@@ -152,20 +152,21 @@ fn passthrough(status: StatusCode, body: Bytes, (ct, retry): HeaderPair) -> Resp
     resp
 }
 
-/// With no backend in rotation: hold the request until one appears, for
-/// at most the activator's hold (and the request's deadline), as
-/// Knative's activator holds requests while a service scales from zero.
-/// The backends then, or none.
-pub(crate) async fn hold(
+/// The pool's order for a prompt of `ids`; with no backend in rotation,
+/// the request is held until one appears, for at most the activator's hold
+/// (and the request's deadline), as Knative's activator holds requests
+/// while a service scales from zero. The backends then, or none.
+pub(crate) async fn order_or_hold(
     g: &Gateway,
     pool: &Pool,
     ids: &[u32],
     arrived: Instant,
     deadline: Instant,
 ) -> Vec<Arc<Backend>> {
+    let order = pool.order(ids);
     let hold = Duration::from_millis(g.cfg.activator.hold_ms);
-    if hold.is_zero() {
-        return Vec::new();
+    if !order.is_empty() || hold.is_zero() {
+        return order;
     }
     let until = (arrived + hold).min(deadline);
     // Counted while held, also when the client goes away mid-wait (the
@@ -221,6 +222,33 @@ pub(crate) fn eject(g: &Gateway, b: &Backend) {
     }
 }
 
+/// POST `body` to `path` on `b`, waiting `wait` for the response headers;
+/// a backend that refuses the connection is ejected ([`eject`]).
+pub(crate) async fn post(
+    g: &Gateway,
+    b: &Backend,
+    path: &str,
+    body: Bytes,
+    wait: Duration,
+) -> Result<reqwest::Response, Failed> {
+    let send = g
+        .http
+        .post(format!("{}{path}", b.url))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(body)
+        .send();
+    match tokio::time::timeout(wait, send).await {
+        Err(_) => Err(Failed::Timeout("no response headers in time")),
+        Ok(Err(e)) => {
+            if e.is_connect() {
+                eject(g, b);
+            }
+            Err(Failed::Connect(describe(&e)))
+        }
+        Ok(Ok(resp)) => Ok(resp),
+    }
+}
+
 /// An HTTP client error with its causes ("error sending request ...:
 /// client error (Connect): tcp connect error: Connection refused").
 pub(crate) fn describe(e: &reqwest::Error) -> String {
@@ -247,10 +275,7 @@ pub async fn forward(
     let t = g.cfg.timeouts;
     let deadline = out.arrived + Duration::from_millis(t.total_ms);
     let first_byte = Duration::from_millis(t.first_byte_ms);
-    let order = match pool.order(&out.ids) {
-        o if o.is_empty() => hold(&g, pool, &out.ids, out.arrived, deadline).await,
-        o => o,
-    };
+    let mut order = order_or_hold(&g, pool, &out.ids, out.arrived, deadline).await;
     let status_of = |resp: &Response| resp.status().as_u16();
     if order.is_empty() {
         let e = ApiError::unavailable(format!("no healthy backend serves `{}`", out.model));
@@ -267,7 +292,6 @@ pub async fn forward(
     g.metrics.added(out.arrived.elapsed());
     let mut last: Option<Failed> = None;
     let mut timed_out = false;
-    let mut order = order;
     // Backends that failed this request, the longest ago first.
     let mut tried: Vec<Arc<Backend>> = Vec::new();
     for attempt in 0..g.cfg.retry.max_attempts {
@@ -280,22 +304,12 @@ pub async fn forward(
             // The pool may have changed meanwhile (a platform publishes and
             // withdraws servers, checks eject them): read the order afresh;
             // with nothing left in rotation, hold as a pool at zero does.
-            order = match pool.order(&out.ids) {
-                o if o.is_empty() => hold(&g, pool, &out.ids, out.arrived, deadline).await,
-                o => o,
-            };
+            order = order_or_hold(&g, pool, &out.ids, out.arrived, deadline).await;
         }
         let Some(b) = pick(&order, &tried, g.clock.now()) else {
             break;
         };
         let attempt_guard = Attempt::new(&b);
-        let url = format!("{}{}", b.url, out.endpoint.path());
-        let send = g
-            .http
-            .post(&url)
-            .header(header::CONTENT_TYPE, "application/json")
-            .body(out.body.clone())
-            .send();
         // A stream's headers come at once; a non-streaming answer's only
         // when the whole generation is done, so it has the total deadline.
         let left = || deadline.saturating_duration_since(Instant::now());
@@ -304,15 +318,9 @@ pub async fn forward(
         } else {
             left()
         };
-        let failed = match tokio::time::timeout(wait, send).await {
-            Err(_) => Failed::Timeout("no response headers in time"),
-            Ok(Err(e)) => {
-                if e.is_connect() {
-                    eject(&g, &b);
-                }
-                Failed::Connect(describe(&e))
-            }
-            Ok(Ok(resp)) => {
+        let failed = match post(&g, &b, out.endpoint.path(), out.body.clone(), wait).await {
+            Err(f) => f,
+            Ok(resp) => {
                 let status = resp.status();
                 let headers = (
                     resp.headers().get(header::CONTENT_TYPE).cloned(),

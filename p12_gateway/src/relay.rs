@@ -16,7 +16,7 @@ use futures_util::StreamExt;
 use tokio::sync::mpsc;
 
 use crate::limits::Reservation;
-use crate::proxy::{backoff, describe, eject, hold, pick, Attempt, Failed, Outbound};
+use crate::proxy::{backoff, describe, order_or_hold, pick, post, Attempt, Failed, Outbound};
 use crate::resume::Resume;
 use crate::routing::Backend;
 use crate::sse::{self, Event};
@@ -121,35 +121,17 @@ async fn reopen(
             }
             tokio::time::sleep(wait).await;
         }
-        let mut order: Vec<Arc<Backend>> = pool.order(&req.ids);
+        let mut order = order_or_hold(g, pool, &req.ids, req.arrived, req.deadline).await;
         order.retain(|b| !failed.iter().any(|f| Arc::ptr_eq(f, b)));
-        if order.is_empty() {
-            order = hold(g, pool, &req.ids, req.arrived, req.deadline).await;
-            order.retain(|b| !failed.iter().any(|f| Arc::ptr_eq(f, b)));
-        }
         let Some(b) = pick(&order, &tried, g.clock.now()) else {
             return Err(last);
         };
         let guard = Attempt::new(&b);
         let left = req.deadline.saturating_duration_since(Instant::now());
-        let send = g
-            .http
-            .post(format!("{}{}", b.url, req.path))
-            .header(header::CONTENT_TYPE, "application/json")
-            .body(body.clone())
-            .send();
-        let opened = match tokio::time::timeout(first_byte.min(left), send).await {
-            Err(_) => Err(Failed::Timeout("no response headers in time")),
-            Ok(Err(e)) => {
-                if e.is_connect() {
-                    eject(g, &b);
-                }
-                Err(Failed::Connect(describe(&e)))
-            }
-            Ok(Ok(resp)) if resp.status().is_success() => {
-                first_event(resp, first_byte.min(left)).await
-            }
-            Ok(Ok(resp)) => Err(Failed::Status(resp.status(), Bytes::new(), (None, None))),
+        let opened = match post(g, &b, req.path, body.clone(), first_byte.min(left)).await {
+            Ok(resp) if resp.status().is_success() => first_event(resp, first_byte.min(left)).await,
+            Ok(resp) => Err(Failed::Status(resp.status(), Bytes::new(), (None, None))),
+            Err(f) => Err(f),
         };
         match opened {
             Ok(o) => return Ok((guard, o)),
@@ -205,7 +187,8 @@ pub(crate) fn relay(
             // past the deadline: a client that stops reading lets go).
             while let Some(ev) = pending.pop_front() {
                 let mut fwd = true;
-                match sse::classify(&ev) {
+                let (kind, payload) = sse::parse(&ev);
+                match kind {
                     Event::Chunk => chunks += 1,
                     Event::Usage(p, c) => {
                         usage = Some(p.saturating_add(c));
@@ -215,8 +198,8 @@ pub(crate) fn relay(
                     Event::Error => backend_error = true,
                     Event::Other => {}
                 }
-                if let Some(r) = resume.as_mut() {
-                    r.sent(&ev);
+                if let (Some(r), Some(v)) = (resume.as_mut(), &payload) {
+                    r.sent(v);
                 }
                 if fwd {
                     let left = req.deadline.saturating_duration_since(Instant::now());

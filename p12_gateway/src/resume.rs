@@ -94,11 +94,9 @@ impl Resume {
         })
     }
 
-    /// Note an event sent to the client (chunks only count).
-    pub fn sent(&mut self, event: &[u8]) {
-        let Some(v) = sse::data(event).and_then(|d| serde_json::from_str::<Value>(&d).ok()) else {
-            return;
-        };
+    /// Note an event sent to the client, by its JSON payload (chunks only
+    /// count).
+    pub fn sent(&mut self, v: &Value) {
         if self.id.is_none() {
             self.id = v.get("id").cloned();
             self.created = v.get("created").cloned();
@@ -269,11 +267,8 @@ mod tests {
         let body = json!({"model": "m", "prompt": "Once", "max_tokens": 5, "stream": true,
                           "temperature": 0});
         let mut r = Resume::new(Endpoint::Completions, body.to_string().as_bytes()).unwrap();
-        r.sent(b": keep-alive\n\n");
         for t in [" upon", "", " a"] {
-            r.sent(&event(
-                json!({"id": "cmpl-1", "created": 7, "choices": [{"text": t}]}),
-            ));
+            r.sent(&json!({"id": "cmpl-1", "created": 7, "choices": [{"text": t}]}));
         }
         assert_eq!(r.tokens(), 2, "an empty chunk is no token");
         let c: Value = serde_json::from_slice(&r.continuation().unwrap()).unwrap();
@@ -288,7 +283,7 @@ mod tests {
         ));
         assert_eq!(parse(&ev)["id"], "cmpl-1");
         assert_eq!(parse(&ev)["created"], 7);
-        r.sent(&ev); // the continuation's own text is not what moved
+        r.sent(&parse(&ev)); // the continuation's own text is not what moved
         let ev = r.rewrite(event(
             json!({"id": "cmpl-2", "choices": [], "usage": {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}}),
         ));
@@ -297,7 +292,7 @@ mod tests {
         assert_eq!(r.rewrite(b"data: [DONE]\n\n".to_vec()), b"data: [DONE]\n\n");
         // Budget spent: nothing to continue.
         for t in [" b", " c", " d"] {
-            r.sent(&event(json!({"choices": [{"text": t}]})));
+            r.sent(&json!({"choices": [{"text": t}]}));
         }
         assert!(r.continuation().is_none());
         assert!(r.spent() && !r.finished());
@@ -313,9 +308,7 @@ mod tests {
         );
         assert_eq!(sse::classify(&close[1]), sse::Event::Usage(4, 6));
         assert_eq!(close[2], b"data: [DONE]\n\n");
-        r.sent(&event(
-            json!({"choices": [{"text": "", "finish_reason": "length"}]}),
-        ));
+        r.sent(&json!({"choices": [{"text": "", "finish_reason": "length"}]}));
         assert!(r.finished());
         assert_eq!(r.closing(4).len(), 2, "no second finish chunk");
         // No max_tokens: none in the continuation either.

@@ -87,27 +87,34 @@ pub enum Event {
 }
 
 pub fn classify(event: &[u8]) -> Event {
+    parse(event).0
+}
+
+/// What one event says, and its JSON payload where it has one (parsed
+/// once, for a caller that reads more of it).
+pub fn parse(event: &[u8]) -> (Event, Option<Value>) {
     let Some(d) = data(event) else {
-        return Event::Other;
+        return (Event::Other, None);
     };
     if d.trim() == "[DONE]" {
-        return Event::Done;
+        return (Event::Done, None);
     }
     let Ok(v) = serde_json::from_str::<Value>(&d) else {
-        return Event::Other;
+        return (Event::Other, None);
     };
     if v.get("error").is_some() {
-        return Event::Error;
+        return (Event::Error, Some(v));
     }
     let no_choices = v
         .get("choices")
         .and_then(Value::as_array)
         .is_none_or(Vec::is_empty);
-    match usage(&v) {
+    let kind = match usage(&v) {
         Some((p, c)) if no_choices => Event::Usage(p, c),
         _ if !no_choices => Event::Chunk,
         _ => Event::Other,
-    }
+    };
+    (kind, Some(v))
 }
 
 /// (prompt_tokens, completion_tokens) of a response or chunk.

@@ -2,7 +2,8 @@
 //! replicas it ran against the ideal for the load, and flaps (the count
 //! turning back while the load held). One sample every half second.
 
-use common::numbers::Row;
+use anyhow::Context;
+use common::numbers::{command_line, Recorder, Row};
 use common::stats::percentile_sorted;
 
 /// The fleet at one moment (seconds from the run's start).
@@ -99,6 +100,18 @@ pub fn rows_of(metric: &str, values: Vec<f64>, unit: &str, pred: &str) -> Vec<Ro
         )
         .into(),
     }
+}
+
+/// Append `rows` to numbers.md, the machine noted with the native kernels
+/// the servers run and `note` (if any).
+pub fn append(rows: &[Row], note: &str) -> anyhow::Result<()> {
+    let isa = p10_quant::NativeWeights::detect().dot.isa();
+    Recorder::for_workspace(command_line("p15_platform"))
+        .machine_note(&format!("native kernels {isa}{note}"))
+        .append(rows)
+        .context("appending to numbers.md")?;
+    println!("rows appended to numbers.md");
+    Ok(())
 }
 
 #[cfg(test)]

@@ -4,8 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use anyhow::Context;
-use common::numbers::{command_line, Recorder, Row};
+use common::numbers::Row;
 use common::plot::{line_chart, Labels, Scale, Series};
 use common::stats::percentile_sorted;
 
@@ -194,13 +193,7 @@ pub fn record(a: &DemoArgs, runs: &[Run]) -> anyhow::Result<()> {
             .collect();
         rows.extend(rows_of(&format!("p15 demo: {metric}"), v, "s", pred));
     }
-    let isa = p10_quant::NativeWeights::detect().dot.isa();
-    Recorder::for_workspace(command_line("p15_platform"))
-        .machine_note(&format!("native kernels {isa}"))
-        .append(&rows)
-        .context("appending to numbers.md")?;
-    println!("rows appended to numbers.md");
-    Ok(())
+    crate::measure::append(&rows, "")
 }
 
 /// The last run's plots: replicas against load, TTFT p99 per 5 s.

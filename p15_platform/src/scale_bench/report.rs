@@ -1,8 +1,7 @@
 //! `scale-bench`'s figures: a table per trial, plots of replicas against
 //! the ideal per profile (the last round), rows over all rounds.
 
-use anyhow::Context;
-use common::numbers::{command_line, Recorder, Row};
+use common::numbers::Row;
 use common::plot::{line_chart, Labels, Scale, Series};
 
 use super::{Profile, ScaleBenchArgs, System, Trial, MIN, TARGET};
@@ -266,11 +265,5 @@ pub fn record(a: &ScaleBenchArgs, trials: &[Trial]) -> anyhow::Result<()> {
             .predicted(predicted(s, p, "flaps")),
         );
     }
-    let isa = p10_quant::NativeWeights::detect().dot.isa();
-    Recorder::for_workspace(command_line("p15_platform"))
-        .machine_note(&format!("native kernels {isa}, one thread per server"))
-        .append(&rows)
-        .context("appending to numbers.md")?;
-    println!("rows appended to numbers.md");
-    Ok(())
+    crate::measure::append(&rows, ", one thread per server")
 }
