@@ -3,10 +3,20 @@
 //! as JSON over HTTP, keys and values base64. Chosen over the gRPC client
 //! crate because it needs no `protoc` and no gRPC stack in the build (the
 //! workspace already speaks HTTP through reqwest), at the cost of a
-//! streaming watch parsed by hand. Every call has a deadline; several
-//! endpoints (a cluster's members) are tried in turn.
+//! streaming watch parsed by hand.
+//!
+//! Every call has one deadline for the whole call; within it, the
+//! members are tried in turn, round after round, each attempt with a
+//! shorter deadline of its own ([`FIRST_ATTEMPT`], doubling each round).
+//! A follower whose leader has just died does not refuse a write: it
+//! holds it until its own request timeout (7 s by default) while the
+//! survivors elect a leader (about 1.3 s with a 1 s election timeout).
+//! One deadline per member would wait that out; the short attempt moves
+//! on to the next member and comes back once it has a leader.
 
-use std::time::Duration;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine as _;
@@ -73,11 +83,22 @@ pub enum WatchEvent {
     Delete(String),
 }
 
+/// The first attempt's deadline on one member; each round doubles it,
+/// so a slow but live etcd (a loaded machine's fsync) is still waited for.
+pub const FIRST_ATTEMPT: Duration = Duration::from_millis(400);
+
+/// Pause between rounds in which every member failed at once (refused
+/// the connection, or answered 5xx), so a down cluster is not spun on.
+const ROUND_PAUSE: Duration = Duration::from_millis(100);
+
 #[derive(Clone, Debug)]
 pub struct Etcd {
     endpoints: Vec<String>,
     http: reqwest::Client,
+    /// The whole call's deadline.
     timeout: Duration,
+    /// The member that answered last: the next call starts there.
+    preferred: Arc<AtomicUsize>,
 }
 
 fn b64(s: &[u8]) -> String {
@@ -131,16 +152,18 @@ fn decode_kv(raw: RawKv) -> Option<Kv> {
 }
 
 impl Etcd {
-    /// `endpoints`: `http://host:port` of each member.
+    /// `endpoints`: `http://host:port` of each member; `timeout`: each
+    /// call's deadline, all retries included.
     pub fn new(endpoints: Vec<String>, timeout: Duration) -> Etcd {
         let http = reqwest::Client::builder()
-            .connect_timeout(timeout)
+            .connect_timeout(timeout.min(FIRST_ATTEMPT))
             .build()
             .unwrap_or_default();
         Etcd {
             endpoints,
             http,
             timeout,
+            preferred: Arc::new(AtomicUsize::new(0)),
         }
     }
 
@@ -148,44 +171,86 @@ impl Etcd {
         &self.endpoints
     }
 
-    /// POST `body` to `path` on the first member that answers.
+    /// POST `body` to `path`, trying the members in turn (from the one
+    /// that answered last) until one answers or the call's deadline
+    /// passes. A write retried after an attempt timed out may have been
+    /// applied once already: puts and deletes are idempotent, and a
+    /// transaction whose compare then fails is read back by its caller
+    /// (see the election's campaign).
     async fn call(&self, path: &str, body: Value) -> Result<Value, EtcdError> {
+        let n = self.endpoints.len();
+        let deadline = Instant::now() + self.timeout;
+        let first = self.preferred.load(Ordering::Relaxed);
+        let mut attempt = FIRST_ATTEMPT;
         let mut last = String::from("no endpoints");
-        for ep in &self.endpoints {
+        let mut tries = 0usize;
+        while n > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            let i = (first + tries) % n;
+            let ep = &self.endpoints[i];
+            tries += 1;
+            let sent = Instant::now();
             let r = self
                 .http
                 .post(format!("{ep}{path}"))
                 .json(&body)
-                .timeout(self.timeout)
+                .timeout(attempt.min(left))
                 .send()
                 .await;
-            match r {
+            let text = match r {
                 Ok(r) => {
                     let status = r.status().as_u16();
-                    let text = r.text().await.unwrap_or_default();
-                    if status != 200 {
+                    match r.text().await {
+                        Ok(text) if status == 200 => Some(text),
                         // An unavailable member (no leader, stopping): next.
-                        if status >= 500 {
+                        Ok(text) if status >= 500 => {
                             last = format!("{ep}: {status} {text}");
-                            continue;
+                            None
                         }
-                        return Err(EtcdError::Status {
-                            path: path.into(),
-                            status,
-                            body: text,
-                        });
+                        Ok(text) => {
+                            return Err(EtcdError::Status {
+                                path: path.into(),
+                                status,
+                                body: text,
+                            })
+                        }
+                        Err(e) => {
+                            last = format!("{ep}: {status}, body unread: {e}");
+                            None
+                        }
                     }
-                    return serde_json::from_str(&text).map_err(|e| EtcdError::Reply {
-                        path: path.into(),
-                        what: format!("unreadable JSON ({e})"),
-                    });
                 }
-                Err(e) => last = format!("{ep}: {e}"),
+                Err(e) => {
+                    last = format!("{ep}: {e}");
+                    None
+                }
+            };
+            if let Some(text) = text {
+                self.preferred.store(i, Ordering::Relaxed);
+                return serde_json::from_str(&text).map_err(|e| EtcdError::Reply {
+                    path: path.into(),
+                    what: format!("unreadable JSON ({e})"),
+                });
+            }
+            if tries % n == 0 {
+                // A round without an answer: longer attempts next round;
+                // a pause first if this member failed at once.
+                attempt = attempt.saturating_mul(2);
+                if sent.elapsed() < ROUND_PAUSE {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    tokio::time::sleep(ROUND_PAUSE.min(left)).await;
+                }
             }
         }
         Err(EtcdError::Unreachable {
             endpoints: self.endpoints.clone(),
-            message: last,
+            message: format!(
+                "no answer within {:?} ({tries} tries); last: {last}",
+                self.timeout
+            ),
         })
     }
 
@@ -389,6 +454,35 @@ impl Etcd {
             endpoints: self.endpoints.clone(),
             message: errors,
         })
+    }
+
+    /// The index (in `endpoints`) of the member leading the cluster, from
+    /// each member's maintenance status; `None` when none answers or
+    /// none names a leader it can be matched to.
+    pub async fn leader(&self) -> Option<usize> {
+        let mut ids = Vec::new();
+        let mut leader = None;
+        for ep in &self.endpoints {
+            let v: Option<Value> = match self
+                .http
+                .post(format!("{ep}/v3/maintenance/status"))
+                .body("{}")
+                .timeout(self.timeout)
+                .send()
+                .await
+            {
+                Ok(r) => r.json().await.ok(),
+                Err(_) => None,
+            };
+            let id = v
+                .as_ref()
+                .and_then(|v| v.pointer("/header/member_id")?.as_str());
+            ids.push(id.map(str::to_string));
+            leader = leader.or_else(|| v.as_ref()?.get("leader")?.as_str().map(str::to_string));
+        }
+        let leader = leader?;
+        ids.iter()
+            .position(|id| id.as_deref() == Some(leader.as_str()))
     }
 }
 

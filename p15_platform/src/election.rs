@@ -93,6 +93,16 @@ impl Candidate {
             .await?;
         if won {
             self.fence = Some(Fence { lease, revision });
+        } else if let Some(kv) = self.etcd.get(LEADER).await? {
+            // Lost, or won by an earlier attempt of this same txn whose
+            // answer did not arrive in time (the client retried it on
+            // another member): the key on our lease is ours.
+            if kv.lease == lease {
+                self.fence = Some(Fence {
+                    lease,
+                    revision: kv.create_revision,
+                });
+            }
         }
         Ok(self.fence)
     }

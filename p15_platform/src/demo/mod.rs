@@ -353,7 +353,7 @@ async fn scenario(a: &DemoArgs) -> anyhow::Result<Run> {
     tl.note(format!("{leader} back, as a standby"));
 
     // Chaos 4: etcd's leader dies (two of three keep quorum and elect another).
-    let m = etcd_leader(&l.etcd.urls).await.unwrap_or(0);
+    let m = l.etcd_client().leader().await.unwrap_or(0);
     l.etcd.members[m].signal(libc::SIGKILL);
     let t = tl.note(format!("chaos: killed etcd member m{m}, the etcd leader"));
     // A write through the surviving members (it waits for their new leader).
@@ -425,39 +425,4 @@ async fn scenario(a: &DemoArgs) -> anyhow::Result<Run> {
         kills,
         steady,
     })
-}
-
-/// The index of the member leading etcd (from the members' maintenance
-/// status), if one answers.
-async fn etcd_leader(urls: &[String]) -> Option<usize> {
-    let http = reqwest::Client::new();
-    let status = |u: String| {
-        let http = http.clone();
-        async move {
-            let r = http
-                .post(format!("{u}/v3/maintenance/status"))
-                .body("{}")
-                .timeout(Duration::from_secs(2))
-                .send()
-                .await
-                .ok()?;
-            r.json::<serde_json::Value>().await.ok()
-        }
-    };
-    let mut ids = Vec::new();
-    let mut leader = None;
-    for u in urls {
-        let v = status(u.clone()).await;
-        let id = v
-            .as_ref()
-            .and_then(|v| v.pointer("/header/member_id")?.as_str().map(str::to_string));
-        leader = leader.or_else(|| {
-            v.as_ref()
-                .and_then(|v| v.get("leader")?.as_str().map(str::to_string))
-        });
-        ids.push(id);
-    }
-    let leader = leader?;
-    ids.iter()
-        .position(|id| id.as_deref() == Some(leader.as_str()))
 }
