@@ -184,9 +184,9 @@ impl Etcd {
         let mut attempt = FIRST_ATTEMPT;
         let mut last = String::from("no endpoints");
         let mut tries = 0usize;
-        while n > 0 {
+        loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
+            if left.is_zero() || n == 0 {
                 break;
             }
             let i = (first + tries) % n;
@@ -235,7 +235,7 @@ impl Etcd {
                     what: format!("unreadable JSON ({e})"),
                 });
             }
-            if tries % n == 0 {
+            if tries.is_multiple_of(n) {
                 // A round without an answer: longer attempts next round;
                 // a pause first if this member failed at once.
                 attempt = attempt.saturating_mul(2);
