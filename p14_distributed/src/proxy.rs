@@ -21,7 +21,7 @@
 //! one pulls the K/V if it is still held, or recomputes); one lost after
 //! ends the stream with an error (its tokens cannot be taken back).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -55,6 +55,18 @@ pub struct ProxyStats {
     pub by_prefix: AtomicU64,
     pub by_report: AtomicU64,
     pub by_inflight: AtomicU64,
+    /// Requests submitted and not yet finished (the proxy's `running`:
+    /// what an autoscaler on concurrency counts).
+    pub in_flight: AtomicUsize,
+}
+
+/// Counts a request out of `in_flight` when its trip ends, however.
+struct Live(Arc<ProxyStats>);
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 #[derive(Debug)]
@@ -132,8 +144,13 @@ impl Engine for Proxy {
         Some(self.context)
     }
 
+    /// Requests in flight through the proxy; the queues and the K/V are
+    /// the workers' (their NATS reports).
     fn load(&self) -> EngineLoad {
-        EngineLoad::default()
+        EngineLoad {
+            running: self.stats.in_flight.load(Ordering::SeqCst),
+            ..EngineLoad::default()
+        }
     }
 
     fn submit(&self, request: EngineRequest) -> Result<EngineStream, EngineError> {
@@ -148,6 +165,7 @@ impl Engine for Proxy {
         let prep = WirePrepared::new(prepared.prompt, &prepared.params, salt);
         let (tx, rx) = mpsc::unbounded_channel();
         self.stats.requests.fetch_add(1, Ordering::SeqCst);
+        self.stats.in_flight.fetch_add(1, Ordering::SeqCst);
         let trip = Trip {
             view: self.view.clone(),
             board: self.board.clone(),
@@ -244,6 +262,7 @@ impl Trip {
     }
 
     async fn run(self, prep: WirePrepared) {
+        let _live = Live(self.stats.clone());
         let (reply, counted) = match self.prefill(&prep).await {
             Some((r, c)) => (Some(r), c),
             None => (None, self.uncounted()),

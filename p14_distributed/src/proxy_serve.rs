@@ -31,6 +31,10 @@ pub struct ProxyArgs {
     /// NATS URL; none: route by the proxy's own in-flight counts.
     #[arg(long)]
     pub nats: Option<String>,
+    /// Follow only the workers registered in this namespace (the
+    /// workers' `--namespace`); none: the shared pool.
+    #[arg(long, value_parser = registry::parse_namespace)]
+    pub namespace: Option<String>,
     /// When a decode worker cannot load a prompt's K/V.
     #[arg(long, value_enum, default_value = "recompute")]
     pub kv_load_failure_policy: LoadFailurePolicy,
@@ -59,12 +63,13 @@ pub fn front_of(path: &Path, served: &str) -> anyhow::Result<(common::ModelInfo,
     Ok((info, tok))
 }
 
-/// A proxy for model `spec` following etcd at `etcd` (and NATS at
-/// `nats`), its tasks on `rt`; and its view of the workers.
+/// A proxy for model `spec` following the workers of `namespace` in etcd
+/// at `etcd` (and NATS at `nats`), its tasks on `rt`; and its view of the
+/// workers.
 pub fn in_process(
     spec: &str,
     name: String,
-    etcd: Vec<String>,
+    (etcd, namespace): (Vec<String>, Option<&str>),
     nats: Option<String>,
     policy: LoadFailurePolicy,
     rt: &tokio::runtime::Handle,
@@ -75,6 +80,7 @@ pub fn in_process(
     let view = Arc::new(View::default());
     rt.spawn(registry::follow(
         Etcd::new(etcd, Duration::from_secs(2)),
+        registry::prefix(namespace),
         view.clone(),
     ));
     let board = Arc::new(Board::default());
@@ -104,7 +110,7 @@ pub fn ready_proxy(
     let (proxy, view) = in_process(
         "smollm2",
         p06_server::load::served_name("smollm2"),
-        etcd.to_vec(),
+        (etcd.to_vec(), None),
         Some(nats.to_string()),
         policy,
         rt,
@@ -126,7 +132,7 @@ pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
     let (proxy, _) = in_process(
         &a.listen.model,
         a.listen.name(),
-        a.etcd.clone(),
+        (a.etcd.clone(), a.namespace.as_deref()),
         a.nats.clone(),
         a.kv_load_failure_policy,
         &tokio::runtime::Handle::current(),
@@ -297,6 +303,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
         listen: a.listen.clone(),
         etcd: cluster.etcd_urls.clone(),
         nats: Some(cluster.nats_url.clone()),
+        namespace: None,
         kv_load_failure_policy: a.kv_load_failure_policy,
         layerwise: a.layerwise,
     };

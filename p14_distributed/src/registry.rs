@@ -1,5 +1,7 @@
 //! Discovery through etcd. A worker writes its record under
-//! `/inference-lab/p14/workers/<role>/<id>` with a lease it keeps alive
+//! `/inference-lab/p14/workers/<role>/<id>` (or, in a namespace,
+//! `/inference-lab/p14/<namespace>/workers/<role>/<id>`: a proxy sees
+//! only its namespace's workers) with a lease it keeps alive
 //! (a third of the TTL between renewals); when the worker dies or stops,
 //! the lease expires and etcd deletes the key. A lease found expired (a
 //! worker that was stopped and resumed) is replaced and the record
@@ -17,6 +19,26 @@ use serde::{Deserialize, Serialize};
 use crate::etcd::{Etcd, WatchEvent};
 
 pub const PREFIX: &str = "/inference-lab/p14/workers/";
+
+/// The workers' key prefix in `namespace` ([`PREFIX`] without one).
+pub fn prefix(namespace: Option<&str>) -> String {
+    match namespace {
+        None => PREFIX.to_string(),
+        Some(ns) => format!("/inference-lab/p14/{ns}/workers/"),
+    }
+}
+
+/// A namespace as an argument: 1 to 128 of `A-Z a-z 0-9 . _ -` (it
+/// becomes one segment of an etcd key).
+pub fn parse_namespace(s: &str) -> Result<String, String> {
+    let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+    if s.is_empty() || s.len() > 128 || !s.chars().all(ok) {
+        return Err(format!(
+            "`{s}`: a namespace is 1 to 128 letters, digits, `.`, `_` or `-`"
+        ));
+    }
+    Ok(s.to_string())
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
@@ -57,16 +79,19 @@ pub struct WorkerRecord {
 }
 
 impl WorkerRecord {
-    pub fn key(&self) -> String {
-        format!("{PREFIX}{}/{}", self.role.as_str(), self.id)
+    /// Its key under `prefix` (see [`prefix`]).
+    pub fn key_in(&self, prefix: &str) -> String {
+        format!("{prefix}{}/{}", self.role.as_str(), self.id)
     }
 }
 
-/// Keep `record` registered under a lease of `ttl_s` until the process
-/// ends: renew, and re-register whenever the lease is lost.
-pub async fn keep_registered(etcd: Etcd, record: WorkerRecord, ttl_s: i64) {
+/// Keep `record` registered under `prefix` with a lease of `ttl_s` until
+/// the process ends: renew, and re-register whenever the lease is lost.
+/// (A draining worker deletes its key: the lease lives on, the key is
+/// not written again.)
+pub async fn keep_registered(etcd: Etcd, prefix: String, record: WorkerRecord, ttl_s: i64) {
     let value = serde_json::to_vec(&record).unwrap_or_default();
-    let key = record.key();
+    let key = record.key_in(&prefix);
     let period = Duration::from_millis((ttl_s.max(1) as u64 * 1000) / 3);
     loop {
         let lease = match etcd.grant(ttl_s).await {
@@ -140,10 +165,10 @@ impl View {
     }
 }
 
-/// List and watch the workers' prefix into `view` forever.
-pub async fn follow(etcd: Etcd, view: Arc<View>) {
+/// List and watch the workers under `prefix` into `view` forever.
+pub async fn follow(etcd: Etcd, prefix: String, view: Arc<View>) {
     loop {
-        let rev = match etcd.get_prefix(PREFIX).await {
+        let rev = match etcd.get_prefix(&prefix).await {
             Ok((kvs, rev)) => {
                 let all = kvs
                     .into_iter()
@@ -165,7 +190,7 @@ pub async fn follow(etcd: Etcd, view: Arc<View>) {
         };
         let v = view.clone();
         let _ = etcd
-            .watch(PREFIX, rev + 1, Duration::from_secs(3), move |e| v.apply(e))
+            .watch(&prefix, rev + 1, Duration::from_secs(3), move |e| v.apply(e))
             .await;
     }
 }

@@ -72,6 +72,14 @@ pub struct WorkerArgs {
     /// Registered id (default: role-host-port).
     #[arg(long)]
     pub id: Option<String>,
+    /// Register in this namespace (a proxy with the same `--namespace`
+    /// sees it); none: the shared pool.
+    #[arg(long, value_parser = registry::parse_namespace)]
+    pub namespace: Option<String>,
+    /// Seconds the requests in flight get to finish after SIGTERM/SIGINT
+    /// (the worker leaves the registry first, so no new ones come).
+    #[arg(long, default_value_t = 30)]
+    pub shutdown_grace_s: u64,
     /// Seconds of the etcd lease a worker's record lives under.
     #[arg(long, default_value_t = 3)]
     pub lease_ttl_s: i64,
@@ -254,7 +262,14 @@ pub fn run(role: Role, a: WorkerArgs) -> anyhow::Result<()> {
         .build()?;
     rt.block_on(async move {
         let etcd = Etcd::new(a.etcd.clone(), Duration::from_secs(2));
-        tokio::spawn(registry::keep_registered(etcd, record, a.lease_ttl_s));
+        let prefix = registry::prefix(a.namespace.as_deref());
+        let key = record.key_in(&prefix);
+        tokio::spawn(registry::keep_registered(
+            etcd.clone(),
+            prefix,
+            record,
+            a.lease_ttl_s,
+        ));
         if let Some(url) = a.nats.clone() {
             tokio::spawn(crate::events::publish(url, id.clone(), handle.load.clone()));
         }
@@ -269,7 +284,26 @@ pub fn run(role: Role, a: WorkerArgs) -> anyhow::Result<()> {
             .with_state(ctx);
         println!("ready {port}");
         let _ = std::io::Write::flush(&mut std::io::stdout());
-        axum::serve(listener, app).await?;
+        let grace = Duration::from_secs(a.shutdown_grace_s);
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
+            let _ = stop_rx.await;
+        });
+        let mut serve = std::pin::pin!(std::future::IntoFuture::into_future(serve));
+        tokio::select! {
+            r = &mut serve => return Ok(r?),
+            _ = p06_server::server::shutdown_signal() => {}
+        }
+        // Drain: leave the registry (proxies stop choosing this worker),
+        // refuse new connections, let the requests in flight finish.
+        eprintln!("{} worker {id}: draining for up to {} s", role.as_str(), grace.as_secs());
+        let _ = etcd.delete(&key).await;
+        // The proxies' moment to see the key go (a watch event away).
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let _ = stop_tx.send(());
+        if tokio::time::timeout(grace, serve).await.is_err() {
+            eprintln!("{} worker {id}: requests still in flight after {} s; stopping", role.as_str(), grace.as_secs());
+        }
         anyhow::Ok(())
     })
 }

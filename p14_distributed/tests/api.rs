@@ -99,7 +99,7 @@ mod support {
         let (proxy, view) = p14_distributed::proxy_serve::in_process(
             "smollm2",
             MODEL.to_string(),
-            c.etcd.clone(),
+            (c.etcd.clone(), None),
             Some(c.nats.clone()),
             LoadFailurePolicy::Fail,
             c.rt.handle(),

@@ -8,7 +8,11 @@
 //!   renew the lease (expired: a new lease, node and statuses put again)
 //!   read /assign/<node>/...
 //!   new assignment            -> spawn `p15_platform server ...`  (Starting)
-//!   Starting and /health 200  -> Ready (cold start = spawn to 200)
+//!                                (or `prefill`, `decode`, `proxy`: Project
+//!                                14's, in the generation's namespace)
+//!   Starting and /health 200  -> Ready (cold start = spawn to 200; a
+//!                                proxy also sees a prefill and a decode
+//!                                worker on its /metrics)
 //!   assignment drained        -> Draining; after drain_delay, SIGTERM
 //!                                (the server refuses new requests with 503
 //!                                and finishes its streams, then exits)
@@ -33,6 +37,7 @@ use anyhow::Context;
 use p14_distributed::cluster::{free_port, spawn, Proc};
 use p14_distributed::etcd::{Etcd, EtcdError};
 
+use crate::reconcile::Role;
 use crate::spec::Weights;
 use crate::state::{
     assign_key, node_key, server_key, Assignment, NodeRecord, Reported, ServerStatus, ASSIGN,
@@ -63,6 +68,7 @@ pub const EVENTS: &str = "inference-lab.p15.events";
 #[derive(Debug)]
 struct Child {
     proc: Proc,
+    role: Role,
     url: String,
     spawned: Instant,
     status: ServerStatus,
@@ -207,16 +213,40 @@ impl Agent {
             Weights::Native => "native",
         };
         let mut cmd = Command::new(&self.cfg.exe);
-        cmd.arg("server")
-            .args(["--model", &a.model, "--weights", weights])
-            .args(["--host", &self.cfg.host, "--port", &port.to_string()])
-            .args(["--served-model-name", &a.deployment])
-            .args(["--shutdown-grace-s", &self.cfg.shutdown_grace_s.to_string()])
+        let (host, port) = (self.cfg.host.as_str(), port.to_string());
+        let grace = self.cfg.shutdown_grace_s.to_string();
+        match a.role {
+            Role::Server => {
+                cmd.arg("server")
+                    .args(["--model", &a.model, "--weights", weights])
+                    .args(["--served-model-name", &a.deployment]);
+            }
+            // Project 14's processes take their own arguments after `--`.
+            Role::Prefill | Role::Decode => {
+                cmd.args([a.role.as_str(), "--"])
+                    .args(["--model", &a.model, "--weights", weights])
+                    .args(["--id", &a.id, "--namespace", &a.namespace()]);
+            }
+            Role::Proxy => {
+                cmd.args(["proxy", "--"])
+                    .args(["--model", &a.model])
+                    .args(["--served-model-name", &a.deployment])
+                    .args(["--namespace", &a.namespace()]);
+            }
+        }
+        if a.role != Role::Server {
+            cmd.args(["--etcd", &self.cfg.etcd.join(",")]);
+            if let Some(nats) = &self.cfg.nats {
+                cmd.args(["--nats", nats]);
+            }
+        }
+        cmd.args(["--host", host, "--port", &port])
+            .args(["--shutdown-grace-s", &grace])
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err);
         let proc = spawn(&a.id, cmd, None)?;
-        let url = format!("http://{}:{port}", self.cfg.host);
+        let url = format!("http://{host}:{port}");
         let status = ServerStatus {
             id: a.id.clone(),
             node: self.cfg.node.clone(),
@@ -230,6 +260,7 @@ impl Agent {
             a.id.clone(),
             Child {
                 proc,
+                role: a.role,
                 url,
                 spawned: Instant::now(),
                 status,
@@ -270,7 +301,11 @@ impl Agent {
                     .timeout(Duration::from_millis(500))
                     .send()
                     .await;
-                if health.is_ok_and(|r| r.status().is_success()) {
+                let mut ready = health.is_ok_and(|r| r.status().is_success());
+                if ready && c.role == Role::Proxy {
+                    ready = proxy_sees_workers(&self.http, &c.url).await;
+                }
+                if ready {
                     c.status.phase = Reported::Ready;
                     c.status.cold_start_ms = Some(c.spawned.elapsed().as_millis() as u64);
                 }
@@ -314,6 +349,28 @@ impl Agent {
         }
         Ok(())
     }
+}
+
+/// Whether a proxy's `/metrics` counts at least one prefill and one
+/// decode worker (before that it can only fail requests).
+async fn proxy_sees_workers(http: &reqwest::Client, url: &str) -> bool {
+    let text = match http
+        .get(format!("{url}/metrics"))
+        .timeout(Duration::from_millis(500))
+        .send()
+        .await
+    {
+        Ok(r) => r.text().await.unwrap_or_default(),
+        Err(_) => return false,
+    };
+    let workers = |role: &str| {
+        let name = format!("p14_proxy_workers{{role=\"{role}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(name.as_str()))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    workers("prefill") > 0 && workers("decode") > 0
 }
 
 /// An assignment is this node's only if its key says so.

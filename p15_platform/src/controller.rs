@@ -173,6 +173,7 @@ impl Controller {
                 id,
                 deployment,
                 generation,
+                role,
                 node,
             } => {
                 let Some(d) = snap.deployment(deployment) else {
@@ -182,6 +183,7 @@ impl Controller {
                     id: id.clone(),
                     deployment: deployment.clone(),
                     generation: *generation,
+                    role: *role,
                     node: node.clone(),
                     model: d.model.clone(),
                     weights: d.weights,
@@ -563,7 +565,7 @@ pub fn status_json(r: &Report) -> serde_json::Value {
             s.assignments.iter().map(|a| {
                 let st = s.servers.get(&a.id);
                 serde_json::json!({
-                    "id": a.id, "deployment": a.deployment, "node": a.node,
+                    "id": a.id, "deployment": a.deployment, "role": a.role.as_str(), "node": a.node,
                     "generation": a.generation, "drain": a.drain,
                     "phase": st.map(|s| format!("{:?}", s.phase)).unwrap_or_else(|| "Assigned".into()),
                     "url": st.and_then(|s| s.url.clone()),

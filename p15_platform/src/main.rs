@@ -8,6 +8,7 @@
 //!   p15_platform controller --id c1       a controller (several: one leads)
 //!   p15_platform router --config r.toml   the router (Project 12's gateway fed from etcd)
 //!   p15_platform server ...               the model server node agents start
+//!   p15_platform prefill|decode|proxy -- ...   Project 14's, for deployments split into roles
 //!   p15_platform demo                     all of it on this machine: step, chaos, rollout
 //!   p15_platform route-bench              the router's policies on one shared-prefix load
 //!   p15_platform crd                      the ModelDeployment CustomResourceDefinition (YAML)
@@ -106,6 +107,23 @@ enum Cmd {
     },
     /// The model server a node agent runs (Project 10's).
     Server(server::ServerArgs),
+    /// Project 14's prefill worker, for a deployment split into roles;
+    /// its own arguments after `--` (`prefill -- --help`).
+    Prefill {
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Project 14's decode worker; its arguments after `--`.
+    Decode {
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Project 14's proxy in front of one generation's workers (the
+    /// deployment's endpoint); its arguments after `--`.
+    Proxy {
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
     /// Print the Kubernetes CustomResourceDefinition of ModelDeployment
     /// (`p15_platform crd | kubectl apply -f -`).
     Crd,
@@ -137,11 +155,46 @@ fn roles(r: &Roles) -> String {
     }
 }
 
+/// Project 14's worker arguments, parsed after `--`.
+#[derive(Parser)]
+struct WorkerCli {
+    #[command(flatten)]
+    a: p14_distributed::worker_serve::WorkerArgs,
+}
+
+/// Project 14's proxy arguments, parsed after `--`.
+#[derive(Parser)]
+struct ProxyCli {
+    #[command(flatten)]
+    a: p14_distributed::proxy_serve::ProxyArgs,
+}
+
+fn after_dashes<'a>(name: &'a str, args: &'a [String]) -> impl Iterator<Item = String> + 'a {
+    std::iter::once(format!("p15_platform {name} --")).chain(args.iter().cloned())
+}
+
 fn main() -> Result<()> {
+    use p14_distributed::registry::Role as WorkerRole;
     let cli = Cli::parse();
-    // These two run their own runtimes.
-    if let Cmd::Server(a) = &cli.cmd {
-        return server::run(a.clone());
+    // These run their own runtimes.
+    match &cli.cmd {
+        Cmd::Server(a) => return server::run(a.clone()),
+        Cmd::Prefill { args } => {
+            let w = WorkerCli::parse_from(after_dashes("prefill", args));
+            return p14_distributed::worker_serve::run(WorkerRole::Prefill, w.a);
+        }
+        Cmd::Decode { args } => {
+            let w = WorkerCli::parse_from(after_dashes("decode", args));
+            return p14_distributed::worker_serve::run(WorkerRole::Decode, w.a);
+        }
+        Cmd::Proxy { args } => {
+            let p = ProxyCli::parse_from(after_dashes("proxy", args));
+            return tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?
+                .block_on(p14_distributed::proxy_serve::run(p.a));
+        }
+        _ => {}
     }
     #[cfg(feature = "bench")]
     if let Cmd::Demo(a) = &cli.cmd {
@@ -273,7 +326,9 @@ async fn run(cli: Cli) -> Result<()> {
             };
             router::run(rc, &config, listen).await?;
         }
-        Cmd::Server(_) => unreachable!("handled before the runtime starts"),
+        Cmd::Server(_) | Cmd::Prefill { .. } | Cmd::Decode { .. } | Cmd::Proxy { .. } => {
+            unreachable!("handled before the runtime starts")
+        }
         Cmd::Crd => print!("{}", p15_platform::crd::crd_yaml()),
         Cmd::Operator { image } => p15_platform::operator::run(image).await?,
         #[cfg(feature = "bench")]

@@ -11,20 +11,62 @@
 //! node agent told twice to start it starts it once.
 //!
 //! ```text
-//! for each deployment:
+//! for each deployment and role:
 //!   servers on dead nodes, failed servers       -> remove (replaced below)
 //!   no rollout in progress:                      start or drain to the count
 //!   a rollout (servers of an older generation):  start new ones while
 //!       new < count and new + old < count + max_surge;
 //!     drain old ones (not ready first) while
 //!       ready (new + old) - 1 >= count - max_unavailable
+//!   prefill/decode workers of an older generation: drain once no proxy
+//!       of their generation runs (its streams use them to the end)
 //! servers of deleted deployments                 -> drain
 //! a start goes to the live node with the most free capacity
 //! ```
+//!
+//! A co-located deployment wants `replicas` servers. One split into
+//! roles `{prefill: p, decode: d}` wants `p * replicas` prefill workers,
+//! `d * replicas` decode workers and `replicas` proxies (Project 14's),
+//! each its own process placed on its own; the proxies are its endpoints.
+//! Servers and proxies both serve: when a deployment changes from one
+//! shape to the other, the old ones are the rollout's old generation.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::spec::Rollout;
+use serde::{Deserialize, Serialize};
+
+use crate::spec::{Roles, Rollout};
+
+/// What a server process is to its deployment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// A co-located server: prefill and decode in one process.
+    #[default]
+    Server,
+    /// Project 14's prefill worker.
+    Prefill,
+    /// Project 14's decode worker.
+    Decode,
+    /// Project 14's proxy in front of its generation's workers.
+    Proxy,
+}
+
+impl Role {
+    /// A server or a proxy: an endpoint clients are routed to.
+    pub fn serves(self) -> bool {
+        matches!(self, Role::Server | Role::Proxy)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Server => "server",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Proxy => "proxy",
+        }
+    }
+}
 
 /// A live node (its agent's lease holds) and how many servers it hosts.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -49,6 +91,7 @@ pub struct Server {
     pub id: String,
     pub deployment: String,
     pub generation: u64,
+    pub role: Role,
     pub node: String,
     pub phase: Phase,
 }
@@ -59,6 +102,7 @@ pub struct Server {
 pub struct Want {
     pub name: String,
     pub generation: u64,
+    pub role: Role,
     pub replicas: u32,
     pub rollout: Rollout,
 }
@@ -69,6 +113,7 @@ pub enum Action {
         id: String,
         deployment: String,
         generation: u64,
+        role: Role,
         node: String,
     },
     Drain {
@@ -77,6 +122,32 @@ pub enum Action {
     Remove {
         id: String,
     },
+}
+
+/// The wants of deployment `name` at `replicas`: one for a co-located
+/// deployment; prefill, decode and proxy for one split into roles.
+pub fn wants_of(
+    name: &str,
+    generation: u64,
+    roles: Roles,
+    replicas: u32,
+    rollout: Rollout,
+) -> Vec<Want> {
+    let want = |role, replicas| Want {
+        name: name.to_string(),
+        generation,
+        role,
+        replicas,
+        rollout,
+    };
+    match roles {
+        Roles::Colocated => vec![want(Role::Server, replicas)],
+        Roles::Disaggregated { prefill, decode } => vec![
+            want(Role::Prefill, prefill.saturating_mul(replicas)),
+            want(Role::Decode, decode.saturating_mul(replicas)),
+            want(Role::Proxy, replicas),
+        ],
+    }
 }
 
 /// What a plan could not do (shown by `status`).
@@ -92,8 +163,17 @@ pub struct Plan {
     pub pending: Vec<Pending>,
 }
 
-fn server_id(deployment: &str, generation: u64, n: u32) -> String {
-    format!("{deployment}-g{generation}-{n}")
+fn server_id(deployment: &str, generation: u64, role: Role, n: u32) -> String {
+    match role {
+        Role::Server => format!("{deployment}-g{generation}-{n}"),
+        r => format!("{deployment}-g{generation}-{}-{n}", r.as_str()),
+    }
+}
+
+/// Whether `s` counts toward `w`: its deployment, and its role (servers
+/// and proxies alike: either serves the deployment).
+fn belongs(s: &Server, w: &Want) -> bool {
+    s.deployment == w.name && (s.role == w.role || (s.role.serves() && w.role.serves()))
 }
 
 /// A server id's `n` (ids not made here sort first), so that `-10`
@@ -129,10 +209,20 @@ pub fn plan(wants: &[Want], servers: &[Server], nodes: &[Node]) -> Plan {
     }
     let active = |s: &&Server| !gone.contains(s.id.as_str()) && s.phase != Phase::Draining;
     let taken: BTreeSet<&str> = servers.iter().map(|s| s.id.as_str()).collect();
+    // A generation's workers stay while one of its proxies runs (draining
+    // included: its streams still decode on them).
+    let proxied = |dep: &str, generation: u64| {
+        servers.iter().any(|p| {
+            p.role == Role::Proxy
+                && p.deployment == dep
+                && p.generation == generation
+                && !gone.contains(p.id.as_str())
+        })
+    };
     for w in wants {
         let mine: Vec<&Server> = servers
             .iter()
-            .filter(|s| s.deployment == w.name)
+            .filter(|s| belongs(s, w))
             .filter(active)
             .collect();
         let (new, old): (Vec<&Server>, Vec<&Server>) =
@@ -141,7 +231,12 @@ pub fn plan(wants: &[Want], servers: &[Server], nodes: &[Node]) -> Plan {
         let (n_new, n_old) = (new.len() as u32, old.len() as u32);
         let mut start = 0;
         let mut drain: Vec<&Server> = Vec::new();
-        if old.is_empty() {
+        if !w.role.serves() {
+            // Workers: the proxies' rollout paces the generations.
+            start = w.replicas.saturating_sub(n_new);
+            drain.extend(extras(&new, n_new.saturating_sub(w.replicas)));
+            drain.extend(old.iter().filter(|s| !proxied(&w.name, s.generation)));
+        } else if old.is_empty() {
             if n_new < w.replicas {
                 start = w.replicas - n_new;
             } else {
@@ -187,15 +282,17 @@ pub fn plan(wants: &[Want], servers: &[Server], nodes: &[Node]) -> Plan {
                 unplaced += 1;
                 continue;
             };
-            while taken.contains(server_id(&w.name, w.generation, n).as_str())
-                || p.actions.iter().any(|a| matches!(a, Action::Start { id, .. } if *id == server_id(&w.name, w.generation, n)))
+            let id = |n| server_id(&w.name, w.generation, w.role, n);
+            while taken.contains(id(n).as_str())
+                || p.actions.iter().any(|a| matches!(a, Action::Start { id: i, .. } if *i == id(n)))
             {
                 n += 1;
             }
             p.actions.push(Action::Start {
-                id: server_id(&w.name, w.generation, n),
+                id: id(n),
                 deployment: w.name.clone(),
                 generation: w.generation,
+                role: w.role,
                 node: node.id.clone(),
             });
             *load.entry(node.id.as_str()).or_default() += 1;
@@ -207,9 +304,12 @@ pub fn plan(wants: &[Want], servers: &[Server], nodes: &[Node]) -> Plan {
             });
         }
     }
-    let names: BTreeSet<&str> = wants.iter().map(|w| w.name.as_str()).collect();
+    // Servers no want counts: their deployment was deleted, or changed
+    // shape (its workers leave once their proxies have).
     for s in servers.iter().filter(active) {
-        if !names.contains(s.deployment.as_str()) {
+        let wanted = wants.iter().any(|w| belongs(s, w));
+        let held = !s.role.serves() && proxied(&s.deployment, s.generation);
+        if !wanted && !held {
             p.actions.push(Action::Drain { id: s.id.clone() });
         }
     }

@@ -404,6 +404,15 @@ impl ModelDeployment {
             if decode == 0 {
                 return bad("roles.decode", "must be at least 1".into());
             }
+            if self.autoscaling.metric != Metric::Concurrency {
+                return bad(
+                    "autoscaling.metric",
+                    format!(
+                        "{}: a prefill/decode deployment's endpoints (Project 14's proxies) report the requests in flight only; use concurrency",
+                        self.autoscaling.metric.as_str()
+                    ),
+                );
+            }
         }
         if self.rollout.max_surge == 0 && self.rollout.max_unavailable == 0 {
             return bad(

@@ -24,7 +24,7 @@ use std::collections::BTreeMap;
 use p14_distributed::etcd::{Etcd, EtcdError, Kv};
 use serde::{Deserialize, Serialize};
 
-use crate::reconcile::{Node, Phase, Server, Want};
+use crate::reconcile::{self, Node, Phase, Role, Server, Want};
 use crate::spec::{ModelDeployment, Roles, Weights};
 use crate::store::{self, StoreError, Stored, ROOT};
 
@@ -50,11 +50,24 @@ pub struct Assignment {
     pub id: String,
     pub deployment: String,
     pub generation: u64,
+    /// A co-located server, or one of Project 14's prefill worker, decode
+    /// worker or proxy (absent in records written before roles: a server).
+    #[serde(default)]
+    pub role: Role,
     pub node: String,
     pub model: String,
     pub weights: Weights,
     /// Stop admitting, finish the streams, stop.
     pub drain: bool,
+}
+
+impl Assignment {
+    /// The etcd namespace a prefill/decode deployment's generation
+    /// registers its workers in: its proxies see those workers only (K/V
+    /// made by one model file or weight format is garbage to another).
+    pub fn namespace(&self) -> String {
+        format!("p15-{}-g{}", self.deployment, self.generation)
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -238,6 +251,7 @@ impl Snapshot {
                     id: a.id.clone(),
                     deployment: a.deployment.clone(),
                     generation: a.generation,
+                    role: a.role,
                     node: a.node.clone(),
                     phase,
                 }
@@ -272,10 +286,11 @@ impl Snapshot {
         self.assignments.iter().find(|a| a.id == id)
     }
 
-    /// The ready, not draining servers of each deployment, with URLs.
+    /// The ready, not draining servers (and proxies) of each deployment,
+    /// with URLs; prefill and decode workers are their proxies' business.
     pub fn ready_endpoints(&self) -> BTreeMap<String, Vec<(String, String)>> {
         let mut out: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
-        for a in self.assignments.iter().filter(|a| !a.drain) {
+        for a in self.assignments.iter().filter(|a| !a.drain && a.role.serves()) {
             if let Some(ServerStatus {
                 phase: Reported::Ready,
                 url: Some(url),
@@ -292,22 +307,16 @@ impl Snapshot {
 }
 
 /// The wants for the reconcile step: each deployment at `replicas[name]`
-/// (the autoscaler's count; `min` where it has none yet). Deployments
-/// split into prefill and decode roles are left out: node agents run
-/// co-located servers only so far, and [`servers_table`] says so.
+/// (the autoscaler's count; `min` where it has none yet), split into its
+/// roles' wants where it declares roles.
 pub fn wants(s: &Snapshot, replicas: &BTreeMap<String, u32>) -> Vec<Want> {
     s.deployments
         .iter()
-        .filter(|st| st.deployment.roles == Roles::Colocated)
-        .map(|st| {
+        .flat_map(|st| {
             let d = &st.deployment;
             let n = replicas.get(&d.name).copied().unwrap_or(d.replicas.min);
-            Want {
-                name: d.name.clone(),
-                generation: generation(d),
-                replicas: n.clamp(d.replicas.min, d.replicas.max),
-                rollout: d.rollout,
-            }
+            let n = n.clamp(d.replicas.min, d.replicas.max);
+            reconcile::wants_of(&d.name, generation(d), d.roles, n, d.rollout)
         })
         .collect()
 }
@@ -318,25 +327,21 @@ pub fn servers_table(s: &Snapshot) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "{:<28} {:<14} {:<10} {:<9} {:>10}  URL",
-        "SERVER", "DEPLOYMENT", "NODE", "PHASE", "COLD START"
+        "{:<32} {:<14} {:<8} {:<10} {:<9} {:>10}  URL",
+        "SERVER", "DEPLOYMENT", "ROLE", "NODE", "PHASE", "COLD START"
     );
     for a in &s.assignments {
         let (phase, cold, url) = s.shown(a);
         let _ = writeln!(
             o,
-            "{:<28} {:<14} {:<10} {:<9} {:>10}  {url}",
-            a.id, a.deployment, a.node, phase, cold
+            "{:<32} {:<14} {:<8} {:<10} {:<9} {:>10}  {url}",
+            a.id,
+            a.deployment,
+            a.role.as_str(),
+            a.node,
+            phase,
+            cold
         );
-    }
-    for d in s.deployments.iter().map(|st| &st.deployment) {
-        if d.roles != Roles::Colocated {
-            let _ = writeln!(
-                o,
-                "{}: prefill/decode roles are not placed by node agents yet (nothing runs)",
-                d.name
-            );
-        }
     }
     let nodes: Vec<String> = s
         .nodes

@@ -3,10 +3,15 @@
 //! plan in it gives none); it replaces failed servers and servers on dead
 //! nodes; it scales down not-ready servers first; a rolling update keeps
 //! the availability its rollout settings promise at every step and ends
-//! with only the new generation; a deleted deployment drains.
+//! with only the new generation; a deleted deployment drains. A
+//! deployment split into prefill and decode roles gets its workers and
+//! proxies, placed each on its own; its rollout keeps a generation's
+//! workers while a proxy of that generation runs; a change of shape rolls
+//! servers into proxies; a deleted one drains its proxies, then their
+//! workers.
 
-use p15_platform::reconcile::{plan, Action, Node, Phase, Plan, Server, Want};
-use p15_platform::spec::Rollout;
+use p15_platform::reconcile::{plan, wants_of, Action, Node, Phase, Plan, Role, Server, Want};
+use p15_platform::spec::{Roles, Rollout};
 
 fn nodes(caps: &[(&str, u32)]) -> Vec<Node> {
     caps.iter()
@@ -21,6 +26,7 @@ fn want(replicas: u32, generation: u64, surge: u32, unavailable: u32) -> Want {
     Want {
         name: "m".into(),
         generation,
+        role: Role::Server,
         replicas,
         rollout: Rollout {
             max_surge: surge,
@@ -37,6 +43,7 @@ fn apply(p: &Plan, servers: &mut Vec<Server>) {
                 id,
                 deployment,
                 generation,
+                role,
                 node,
             } => {
                 assert!(servers.iter().all(|s| s.id != *id), "{id} started twice");
@@ -44,6 +51,7 @@ fn apply(p: &Plan, servers: &mut Vec<Server>) {
                     id: id.clone(),
                     deployment: deployment.clone(),
                     generation: *generation,
+                    role: *role,
                     node: node.clone(),
                     phase: Phase::Starting,
                 });
@@ -231,4 +239,128 @@ fn scaling_down_drains_the_newest_by_number_not_by_spelling() {
             }
         ]
     );
+}
+
+const SURGE_ONE: Rollout = Rollout {
+    max_surge: 1,
+    max_unavailable: 0,
+};
+
+fn split(generation: u64, prefill: u32, decode: u32, replicas: u32) -> Vec<Want> {
+    let roles = Roles::Disaggregated { prefill, decode };
+    wants_of("m", generation, roles, replicas, SURGE_ONE)
+}
+
+fn count(servers: &[Server], role: Role, generation: u64) -> usize {
+    servers
+        .iter()
+        .filter(|s| s.role == role && s.generation == generation && s.phase != Phase::Draining)
+        .count()
+}
+
+#[test]
+fn a_split_deployment_gets_its_workers_and_proxies_each_placed_on_its_own() {
+    let n = nodes(&[("a", 4), ("b", 4)]);
+    let w = split(1, 1, 2, 2);
+    let mut servers = Vec::new();
+    let p = plan(&w, &servers, &n);
+    apply(&p, &mut servers);
+    assert_eq!(count(&servers, Role::Prefill, 1), 2);
+    assert_eq!(count(&servers, Role::Decode, 1), 4);
+    assert_eq!(count(&servers, Role::Proxy, 1), 2);
+    // Spread by free capacity: 4 on each node.
+    let on_a = servers.iter().filter(|s| s.node == "a").count();
+    assert_eq!(on_a, 4, "{servers:?}");
+    let ids: std::collections::BTreeSet<&str> = servers.iter().map(|s| s.id.as_str()).collect();
+    assert!(ids.contains("m-g1-prefill-0") && ids.contains("m-g1-decode-1") && ids.contains("m-g1-proxy-1"));
+    assert_eq!(plan(&w, &servers, &n), Plan::default(), "idempotent");
+    tick(&mut servers);
+    assert_eq!(plan(&w, &servers, &n), Plan::default(), "idempotent once ready");
+}
+
+/// Every proxy that runs (ready or draining) has its generation's
+/// prefill and decode workers, not draining.
+fn proxies_have_workers(servers: &[Server], step: usize) {
+    for p in servers.iter().filter(|s| s.role == Role::Proxy) {
+        for role in [Role::Prefill, Role::Decode] {
+            assert!(
+                count(servers, role, p.generation) > 0,
+                "step {step}: proxy {} ({:?}) has no {role:?} worker of its generation: {servers:?}",
+                p.id,
+                p.phase
+            );
+        }
+    }
+}
+
+#[test]
+fn a_split_rollout_keeps_each_generations_workers_while_its_proxies_run() {
+    let n = nodes(&[("a", 8), ("b", 8)]);
+    let mut servers = Vec::new();
+    apply(&plan(&split(1, 1, 1, 2), &servers, &n), &mut servers);
+    tick(&mut servers);
+    let w = split(2, 1, 1, 2);
+    for step in 0..50 {
+        let p = plan(&w, &servers, &n);
+        apply(&p, &mut servers);
+        proxies_have_workers(&servers, step);
+        let ready = |s: &&Server| s.role == Role::Proxy && s.phase == Phase::Ready;
+        assert!(
+            servers.iter().filter(ready).count() >= 2,
+            "step {step}: fewer than 2 proxies serve: {servers:?}"
+        );
+        tick(&mut servers);
+        if servers.iter().all(|s| s.generation == 2) {
+            assert_eq!(servers.len(), 6, "{servers:?}");
+            assert_eq!(plan(&w, &servers, &n), Plan::default());
+            return;
+        }
+    }
+    panic!("the rollout did not finish: {servers:?}");
+}
+
+#[test]
+fn a_colocated_deployment_split_into_roles_rolls_its_servers_into_proxies() {
+    let n = nodes(&[("a", 8), ("b", 8)]);
+    let mut servers = Vec::new();
+    let colocated = wants_of("m", 1, Roles::Colocated, 2, SURGE_ONE);
+    apply(&plan(&colocated, &servers, &n), &mut servers);
+    tick(&mut servers);
+    let w = split(2, 1, 1, 2);
+    for step in 0..50 {
+        apply(&plan(&w, &servers, &n), &mut servers);
+        let serving = servers
+            .iter()
+            .filter(|s| s.role.serves() && s.phase == Phase::Ready)
+            .count();
+        assert!(serving >= 2, "step {step}: {serving} serve: {servers:?}");
+        tick(&mut servers);
+        if servers.iter().all(|s| s.role != Role::Server) && count(&servers, Role::Proxy, 2) == 2 {
+            assert_eq!(plan(&w, &servers, &n), Plan::default());
+            return;
+        }
+    }
+    panic!("the change of shape did not finish: {servers:?}");
+}
+
+#[test]
+fn a_deleted_split_deployment_drains_its_proxies_then_their_workers() {
+    let n = nodes(&[("a", 8)]);
+    let mut servers = Vec::new();
+    apply(&plan(&split(1, 1, 1, 1), &servers, &n), &mut servers);
+    tick(&mut servers);
+    let p = plan(&[], &servers, &n);
+    assert_eq!(
+        p.actions,
+        [Action::Drain {
+            id: "m-g1-proxy-0".into()
+        }],
+        "the workers wait for their proxy's streams"
+    );
+    apply(&p, &mut servers);
+    assert_eq!(plan(&[], &servers, &n), Plan::default(), "still draining");
+    tick(&mut servers);
+    let p = plan(&[], &servers, &n);
+    assert_eq!(p.actions.len(), 2, "{p:?}");
+    assert!(p.actions.iter().all(|a| matches!(a, Action::Drain { .. })));
 }

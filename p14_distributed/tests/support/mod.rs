@@ -136,7 +136,7 @@ pub fn rig_with(
     let (proxy, view) = p14_distributed::proxy_serve::in_process(
         "smollm2",
         p06_server::load::served_name("smollm2"),
-        etcd.urls.clone(),
+        (etcd.urls.clone(), None),
         Some(nats.url.clone()),
         policy,
         rt.handle(),
