@@ -190,7 +190,9 @@ pub async fn follow(etcd: Etcd, prefix: String, view: Arc<View>) {
         };
         let v = view.clone();
         let _ = etcd
-            .watch(&prefix, rev + 1, Duration::from_secs(3), move |e| v.apply(e))
+            .watch(&prefix, rev + 1, Duration::from_secs(3), move |e| {
+                v.apply(e)
+            })
             .await;
     }
 }

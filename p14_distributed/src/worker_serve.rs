@@ -296,13 +296,21 @@ pub fn run(role: Role, a: WorkerArgs) -> anyhow::Result<()> {
         }
         // Drain: leave the registry (proxies stop choosing this worker),
         // refuse new connections, let the requests in flight finish.
-        eprintln!("{} worker {id}: draining for up to {} s", role.as_str(), grace.as_secs());
+        eprintln!(
+            "{} worker {id}: draining for up to {} s",
+            role.as_str(),
+            grace.as_secs()
+        );
         let _ = etcd.delete(&key).await;
         // The proxies' moment to see the key go (a watch event away).
         tokio::time::sleep(Duration::from_millis(500)).await;
         let _ = stop_tx.send(());
         if tokio::time::timeout(grace, serve).await.is_err() {
-            eprintln!("{} worker {id}: requests still in flight after {} s; stopping", role.as_str(), grace.as_secs());
+            eprintln!(
+                "{} worker {id}: requests still in flight after {} s; stopping",
+                role.as_str(),
+                grace.as_secs()
+            );
         }
         anyhow::Ok(())
     })

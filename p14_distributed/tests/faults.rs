@@ -232,6 +232,38 @@ fn a_stopped_worker_leaves_routing_and_comes_back_when_resumed() {
 }
 
 #[test]
+fn a_decode_worker_stopped_by_sigterm_leaves_the_registry_and_finishes_its_stream() {
+    let one = colocated("native");
+    let none: &[&str] = &[];
+    let mut rig = rig("native", 1, &[none], &[none], LoadFailurePolicy::Fail);
+    let req = request(5, PROMPTS[3], 160);
+    let want = collect(&one, req.clone());
+    let rx = common::engine::Engine::submit(&*rig.proxy, req).expect("submitted");
+    let decode = &rig.workers[1];
+    wait_stat(&rig, decode, "running", 1);
+    decode.proc.signal(libc::SIGTERM);
+    // Out of the registry at once (not after its lease), its stream whole.
+    rig.wait_view(1, 0, Duration::from_secs(2));
+    assert_eq!(
+        drain(rx),
+        want,
+        "the stream finished on the draining worker"
+    );
+    let t0 = std::time::Instant::now();
+    let code = loop {
+        if let Some(code) = rig.workers[1].proc.child.try_wait().expect("try_wait") {
+            break code;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the drained worker did not exit"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(code.success(), "a drained worker exits cleanly: {code}");
+}
+
+#[test]
 fn a_decode_worker_lost_mid_stream_errors_and_before_its_stream_is_replaced() {
     let one = colocated("native");
     let none: &[&str] = &[];

@@ -284,7 +284,9 @@ pub fn plan(wants: &[Want], servers: &[Server], nodes: &[Node]) -> Plan {
             };
             let id = |n| server_id(&w.name, w.generation, w.role, n);
             while taken.contains(id(n).as_str())
-                || p.actions.iter().any(|a| matches!(a, Action::Start { id: i, .. } if *i == id(n)))
+                || p.actions
+                    .iter()
+                    .any(|a| matches!(a, Action::Start { id: i, .. } if *i == id(n)))
             {
                 n += 1;
             }

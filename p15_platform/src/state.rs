@@ -290,7 +290,11 @@ impl Snapshot {
     /// with URLs; prefill and decode workers are their proxies' business.
     pub fn ready_endpoints(&self) -> BTreeMap<String, Vec<(String, String)>> {
         let mut out: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
-        for a in self.assignments.iter().filter(|a| !a.drain && a.role.serves()) {
+        for a in self
+            .assignments
+            .iter()
+            .filter(|a| !a.drain && a.role.serves())
+        {
             if let Some(ServerStatus {
                 phase: Reported::Ready,
                 url: Some(url),

@@ -272,10 +272,18 @@ fn a_split_deployment_gets_its_workers_and_proxies_each_placed_on_its_own() {
     let on_a = servers.iter().filter(|s| s.node == "a").count();
     assert_eq!(on_a, 4, "{servers:?}");
     let ids: std::collections::BTreeSet<&str> = servers.iter().map(|s| s.id.as_str()).collect();
-    assert!(ids.contains("m-g1-prefill-0") && ids.contains("m-g1-decode-1") && ids.contains("m-g1-proxy-1"));
+    assert!(
+        ids.contains("m-g1-prefill-0")
+            && ids.contains("m-g1-decode-1")
+            && ids.contains("m-g1-proxy-1")
+    );
     assert_eq!(plan(&w, &servers, &n), Plan::default(), "idempotent");
     tick(&mut servers);
-    assert_eq!(plan(&w, &servers, &n), Plan::default(), "idempotent once ready");
+    assert_eq!(
+        plan(&w, &servers, &n),
+        Plan::default(),
+        "idempotent once ready"
+    );
 }
 
 /// Every proxy that runs (ready or draining) has its generation's

@@ -1,0 +1,105 @@
+//! A deployment split into prefill and decode roles, on the platform's
+//! processes on loopback (a real etcd, two node agents, a controller and
+//! the router): the agents run Project 14's prefill worker, decode worker
+//! and proxy for it, placed across both nodes; through the router its
+//! greedy answer is the co-located server's, token for token; a killed
+//! decode worker is replaced and the deployment answers again.
+//!
+//! Needs etcd (`apt-get install -y etcd-server`) and SmolLM2
+//! (`bash scripts/fetch_assets.sh smollm2`).
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use p15_platform::local::signal_pid;
+use p15_platform::reconcile::Role;
+use p15_platform::state::{Reported, Snapshot};
+use support::{complete, deployment, ready, router_sees, Platform};
+
+const MIN: Duration = Duration::from_secs(60);
+
+/// The choice's text of a completion's JSON body.
+fn text(body: &str) -> String {
+    let v: serde_json::Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    v["choices"][0]["text"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no text: {body}"))
+        .to_string()
+}
+
+/// `deployment`'s assignments of `role` whose servers report ready.
+fn ready_of(s: &Snapshot, deployment: &str, role: Role) -> Vec<String> {
+    s.assignments
+        .iter()
+        .filter(|a| a.deployment == deployment && a.role == role && !a.drain)
+        .filter(|a| {
+            s.servers
+                .get(&a.id)
+                .is_some_and(|st| st.phase == Reported::Ready)
+        })
+        .map(|a| a.id.clone())
+        .collect()
+}
+
+#[test]
+fn a_split_deployment_answers_as_the_colocated_server_and_replaces_a_dead_worker() {
+    let mut p = Platform::start();
+    p.agent("n1", 2);
+    p.agent("n2", 2);
+    p.controller("c1");
+    let url = p.router(&["co", "pd"], 60_000);
+    p.apply(&deployment("co", ""));
+    p.apply(&deployment("pd", "roles: {prefill: 1, decode: 1}"));
+    let s = p.wait_for("both deployments ready", 2 * MIN, |s| {
+        ready(s, "co").len() == 1 && ready(s, "pd").len() == 1
+    });
+    // Only the proxy is an endpoint; its workers run beside it.
+    assert!(
+        ready(&s, "pd")[0].contains("-proxy-"),
+        "{:?}",
+        ready(&s, "pd")
+    );
+    for role in [Role::Prefill, Role::Decode, Role::Proxy] {
+        assert_eq!(ready_of(&s, "pd", role).len(), 1, "one {role:?}");
+    }
+    let nodes: BTreeSet<&str> = s
+        .assignments
+        .iter()
+        .filter(|a| a.deployment == "pd")
+        .map(|a| a.node.as_str())
+        .collect();
+    assert_eq!(nodes.len(), 2, "the roles spread over both nodes");
+    router_sees(&p, &url, "co", &s);
+    router_sees(&p, &url, "pd", &s);
+
+    let (code, co, _) = complete(&p.rt, &url, "co", 24);
+    assert_eq!(code, 200, "{co}");
+    let (code, pd, _) = complete(&p.rt, &url, "pd", 24);
+    assert_eq!(code, 200, "{pd}");
+    eprintln!(
+        "co-located: {:?}\nprefill/decode: {:?}",
+        text(&co),
+        text(&pd)
+    );
+    assert_eq!(
+        text(&pd),
+        text(&co),
+        "prefill/decode against co-located, greedy"
+    );
+
+    // Kill the decode worker: the controller replaces it (a new id) and
+    // the proxy finds the new one through etcd.
+    let dead = ready_of(&s, "pd", Role::Decode).remove(0);
+    let pid = s.servers[&dead].pid.expect("a pid");
+    signal_pid(pid, libc::SIGKILL);
+    let s = p.wait_for("a new decode worker", 2 * MIN, |s| {
+        let d = ready_of(s, "pd", Role::Decode);
+        d.len() == 1 && d[0] != dead && ready(s, "pd").len() == 1
+    });
+    router_sees(&p, &url, "pd", &s);
+    let (code, again, _) = complete(&p.rt, &url, "pd", 24);
+    assert_eq!(code, 200, "{again}");
+    assert_eq!(text(&again), text(&co));
+}
