@@ -84,6 +84,9 @@ pub struct Proxy {
     /// Stream each prompt's K/V while it is prefilled (`/prefill_stream`):
     /// the decode worker pulls layer by layer as they are computed.
     layerwise: bool,
+    /// How long a request waits for a decode worker when none it has not
+    /// tried is registered (one being replaced) before it fails.
+    worker_wait: Duration,
 }
 
 /// One request's journey (cloned into its task).
@@ -96,6 +99,9 @@ struct Trip {
     events: mpsc::UnboundedSender<EngineEvent>,
     id: String,
     layerwise: bool,
+    /// How long a request waits for a decode worker when none it has not
+    /// tried is registered (one being replaced) before it fails.
+    worker_wait: Duration,
 }
 
 impl Proxy {
@@ -125,12 +131,20 @@ impl Proxy {
             closing: AtomicBool::new(false),
             rt,
             layerwise: false,
+            worker_wait: Duration::ZERO,
         }
     }
 
     /// Stream prompts' K/V while they are prefilled (or not).
     pub fn layerwise(mut self, on: bool) -> Proxy {
         self.layerwise = on;
+        self
+    }
+
+    /// Hold a request up to `wait` for a decode worker to register when
+    /// none is (instead of failing it at once).
+    pub fn worker_wait(mut self, wait: Duration) -> Proxy {
+        self.worker_wait = wait;
         self
     }
 }
@@ -175,6 +189,7 @@ impl Engine for Proxy {
             events: tx,
             id,
             layerwise: self.layerwise,
+            worker_wait: self.worker_wait,
         };
         self.rt.spawn(trip.run(prep));
         Ok(rx)
@@ -365,8 +380,14 @@ impl Trip {
     ) {
         let mut tried: Vec<String> = Vec::new();
         let mut policy = self.policy;
+        let since = std::time::Instant::now();
         loop {
             let workers = self.view.workers(Role::Decode);
+            let untried = workers.iter().any(|w| !tried.contains(&w.id));
+            if !untried && since.elapsed() < self.worker_wait {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
             let Some((w, basis)) = self.board.pick_decode(&workers, &tried) else {
                 let why = match tried.is_empty() {
                     true => "no decode worker is registered".to_string(),

@@ -41,6 +41,10 @@ pub struct ProxyArgs {
     /// Stream each prompt's K/V layer by layer while it is prefilled.
     #[arg(long)]
     pub layerwise: bool,
+    /// Seconds a request waits for a decode worker when none is
+    /// registered (one being replaced) before it fails with 503.
+    #[arg(long, default_value_t = 30)]
+    pub worker_wait_s: u64,
 }
 
 /// The model's name, context and tokenizer from a GGUF file's header
@@ -137,7 +141,9 @@ pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
         a.kv_load_failure_policy,
         &tokio::runtime::Handle::current(),
     )?;
-    let proxy = proxy.layerwise(a.layerwise);
+    let proxy = proxy
+        .layerwise(a.layerwise)
+        .worker_wait(Duration::from_secs(a.worker_wait_s));
     let listener = a.listen.bind().await?;
     let state = AppState::new(Arc::new(proxy), a.listen.max_body_bytes);
     Ok(server::run_until_signal(listener, state, a.listen.grace()).await?)
@@ -306,6 +312,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
         namespace: None,
         kv_load_failure_policy: a.kv_load_failure_policy,
         layerwise: a.layerwise,
+        worker_wait_s: 30,
     };
     eprintln!(
         "up: {} prefill, {} decode; etcd {:?}, NATS {}; proxy on {}:{}",

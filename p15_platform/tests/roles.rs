@@ -3,7 +3,8 @@
 //! the router): the agents run Project 14's prefill worker, decode worker
 //! and proxy for it, placed across both nodes; through the router its
 //! greedy answer is the co-located server's, token for token; a killed
-//! decode worker is replaced and the deployment answers again.
+//! decode worker is replaced, and a request sent meanwhile waits in the
+//! proxy for the replacement and is answered.
 //!
 //! Needs etcd (`apt-get install -y etcd-server`) and SmolLM2
 //! (`bash scripts/fetch_assets.sh smollm2`).
@@ -94,6 +95,10 @@ fn a_split_deployment_answers_as_the_colocated_server_and_replaces_a_dead_worker
     let dead = ready_of(&s, "pd", Role::Decode).remove(0);
     let pid = s.servers[&dead].pid.expect("a pid");
     signal_pid(pid, libc::SIGKILL);
+    // A request sent now waits in the proxy for the replacement.
+    let (code, held, _) = complete(&p.rt, &url, "pd", 24);
+    assert_eq!(code, 200, "{held}");
+    assert_eq!(text(&held), text(&co));
     let s = p.wait_for("a new decode worker", 2 * MIN, |s| {
         let d = ready_of(s, "pd", Role::Decode);
         d.len() == 1 && d[0] != dead && ready(s, "pd").len() == 1
