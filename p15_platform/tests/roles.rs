@@ -4,7 +4,10 @@
 //! and proxy for it, placed across both nodes; through the router its
 //! greedy answer is the co-located server's, token for token; a killed
 //! decode worker is replaced, and a request sent meanwhile waits in the
-//! proxy for the replacement and is answered.
+//! proxy for the replacement and is answered. A rolling update of a split
+//! deployment under load (streamed and not) fails and cuts nothing: the
+//! new generation's proxy serves before the old one drains, and the old
+//! workers stay until the old proxy has finished its streams.
 //!
 //! Needs etcd (`apt-get install -y etcd-server`) and SmolLM2
 //! (`bash scripts/fetch_assets.sh smollm2`).
@@ -12,12 +15,14 @@
 mod support;
 
 use std::collections::BTreeSet;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use p15_platform::local::signal_pid;
 use p15_platform::reconcile::Role;
-use p15_platform::state::{Reported, Snapshot};
-use support::{complete, deployment, ready, router_sees, Platform};
+use p15_platform::state::{generation, Reported, Snapshot};
+use support::{complete, deployment, finish, load, ready, router_sees, Platform};
 
 const MIN: Duration = Duration::from_secs(60);
 
@@ -107,4 +112,56 @@ fn a_split_deployment_answers_as_the_colocated_server_and_replaces_a_dead_worker
     let (code, again, _) = complete(&p.rt, &url, "pd", 24);
     assert_eq!(code, 200, "{again}");
     assert_eq!(text(&again), text(&co));
+}
+
+#[test]
+fn a_rolling_update_of_a_split_deployment_under_load_fails_and_cuts_nothing() {
+    let mut p = Platform::start();
+    p.agent("n1", 4);
+    p.agent("n2", 4);
+    p.controller("c1");
+    let url = p.router(&["pdroll"], 30_000);
+    let before = deployment("pdroll", "roles: {prefill: 1, decode: 1}");
+    p.apply(&before);
+    let s = p.wait_for("the proxy ready", 2 * MIN, |s| {
+        ready(s, "pdroll").len() == 1
+    });
+    router_sees(&p, &url, "pdroll", &s);
+    let p = Arc::new(p);
+    let stop = Arc::new(AtomicBool::new(false));
+    let loads: Vec<_> = [false, true]
+        .into_iter()
+        .map(|stream| load(&p, url.clone(), "pdroll", stop.clone(), stream))
+        .collect();
+    std::thread::sleep(Duration::from_secs(1));
+    let after = deployment("pdroll", "roles: {prefill: 1, decode: 1}\nweights: f32");
+    p.apply(&after);
+    let g = generation(&after);
+    // The old generation's workers outlive its proxy.
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let o2 = order.clone();
+    let old = generation(&before);
+    p.wait_for("the new generation alone", 2 * MIN, move |s| {
+        let of_old = |role: Role| {
+            s.assignments
+                .iter()
+                .any(|a| a.generation == old && a.role == role)
+        };
+        let now = (
+            of_old(Role::Proxy),
+            of_old(Role::Decode) && of_old(Role::Prefill),
+        );
+        let mut o = o2.lock().unwrap();
+        if o.last() != Some(&now) {
+            o.push(now);
+        }
+        s.assignments.len() == 3 && s.assignments.iter().all(|a| a.generation == g)
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    finish(loads, &stop);
+    let order = order.lock().unwrap();
+    assert!(
+        !order.contains(&(true, false)),
+        "an old proxy ran without its workers: {order:?}"
+    );
 }

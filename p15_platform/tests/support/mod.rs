@@ -7,7 +7,9 @@
 
 #![allow(dead_code)]
 
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use p14_distributed::etcd::Etcd;
 use p15_platform::local::Local;
@@ -193,4 +195,72 @@ pub fn complete(
             Err(e) => (0, e.to_string(), None),
         }
     })
+}
+
+/// Requests in a loop through the router until stopped, streamed (32
+/// tokens each, so that a kill finds some mid-way) or not; (ok, failed:
+/// what went wrong).
+pub fn load(
+    p: &Arc<Platform>,
+    url: String,
+    model: &'static str,
+    stop: Arc<AtomicBool>,
+    stream: bool,
+) -> std::thread::JoinHandle<(u32, Vec<String>)> {
+    let p = p.clone();
+    std::thread::spawn(move || {
+        let mut ok = 0;
+        let mut failed = Vec::new();
+        let t0 = Instant::now();
+        let http = reqwest::Client::new();
+        while !stop.load(Ordering::Relaxed) {
+            let outcome = if stream {
+                let prompt = "The capital of France is";
+                let r = p.rt.block_on(p15_platform::clients::one(
+                    &http, &url, model, KEY, prompt, 32, t0,
+                ));
+                match (r.ok, r.cut) {
+                    (true, _) => Ok(()),
+                    (false, true) => Err(format!("a stream cut: {}", r.error)),
+                    (false, false) => Err(r.error),
+                }
+            } else {
+                match complete(&p.rt, &url, model, 8) {
+                    (200, _, _) => Ok(()),
+                    (code, body, _) => Err(format!("{code} {body}")),
+                }
+            };
+            match outcome {
+                Ok(()) => ok += 1,
+                Err(e) => {
+                    failed.push(format!("at {:?}: {e}", t0.elapsed()));
+                    if failed.len() >= 5 {
+                        break; // enough to show what failed
+                    }
+                }
+            }
+        }
+        (ok, failed)
+    })
+}
+
+/// Stop the load threads; every request must have been answered.
+pub fn finish(loads: Vec<std::thread::JoinHandle<(u32, Vec<String>)>>, stop: &AtomicBool) {
+    stop.store(true, Ordering::Relaxed);
+    let mut ok = 0;
+    let mut failed = Vec::new();
+    for l in loads {
+        let (o, f) = l.join().unwrap();
+        ok += o;
+        failed.extend(f);
+    }
+    eprintln!("{ok} requests answered, {} failed", failed.len());
+    assert!(ok > 4, "only {ok} requests completed");
+    assert!(
+        failed.is_empty(),
+        "{} of {} requests failed: {:?}",
+        failed.len(),
+        ok as usize + failed.len(),
+        failed
+    );
 }
