@@ -15,7 +15,8 @@ use crate::engine::{
     TokenOut,
 };
 use crate::openai::{
-    ChatRequest, CommonParams, CompletionRequest, ErrorBody, PromptSpec, StopSpec, StreamOptions,
+    ChatEnd, ChatRequest, CommonParams, CompletionRequest, ErrorBody, PromptSpec, StopSpec,
+    StreamOptions,
 };
 
 /// Splits a `text/event-stream` body into the `data:` payloads of its events.
@@ -119,6 +120,8 @@ pub fn request_body(request: &EngineRequest, model: &str) -> (&'static str, Valu
             common,
             logprobs: request.logprobs.map(|_| true),
             top_logprobs: request.logprobs.map(|k| k as i64),
+            add_generation_prompt: (request.chat_end != ChatEnd::Open).then_some(false),
+            continue_final_message: (request.chat_end == ChatEnd::ContinueFinal).then_some(true),
             ..ChatRequest::default()
         }),
         PromptInput::Text(t) => serde_json::to_value(CompletionRequest {
@@ -310,5 +313,31 @@ mod tests {
             ["{\"a\":1}", "x"]
         );
         assert_eq!(d.push(b": [DONE]\n\n"), ["[DONE]"]);
+    }
+
+    #[test]
+    fn a_chat_request_carries_how_its_prompt_ends() {
+        use crate::engine::{ChatEnd, EngineRequest, PromptInput};
+        use crate::openai::ChatMessage;
+        let mut r = EngineRequest::new(
+            "x",
+            PromptInput::Chat(vec![ChatMessage {
+                role: "assistant".into(),
+                content: Some(crate::openai::Content::Text("Once".into())),
+            }]),
+        );
+        let fields = |r: &EngineRequest| {
+            let (_, body) = super::request_body(r, "m");
+            (
+                body.get("add_generation_prompt").cloned(),
+                body.get("continue_final_message").cloned(),
+            )
+        };
+        assert_eq!(fields(&r), (None, None), "the default is not sent");
+        r.chat_end = ChatEnd::ContinueFinal;
+        let f = fields(&r);
+        assert_eq!((f.0.unwrap(), f.1.unwrap()), (false.into(), true.into()));
+        r.chat_end = ChatEnd::Closed;
+        assert_eq!(fields(&r), (Some(false.into()), None));
     }
 }

@@ -26,6 +26,9 @@ pub enum PromptInput {
     Chat(Vec<ChatMessage>),
 }
 
+/// How a chat prompt ends (in the OpenAI module: the wire fields set it).
+pub use crate::openai::ChatEnd;
+
 /// Sampling settings: common's one type (OpenAI's defaults).
 pub use crate::sampling::SamplingParams;
 
@@ -51,6 +54,8 @@ pub struct EngineRequest {
     /// Keys the prefix cache: only requests with the same salt share
     /// cached K/V. Engines without a prefix cache ignore it.
     pub cache_salt: Option<String>,
+    /// How a chat prompt ends (ignored for text and token prompts).
+    pub chat_end: ChatEnd,
 }
 
 impl EngineRequest {
@@ -66,6 +71,7 @@ impl EngineRequest {
             logprobs: None,
             n: 1,
             cache_salt: None,
+            chat_end: ChatEnd::Open,
         }
     }
 }

@@ -129,6 +129,20 @@ pub struct ChatMessage {
     pub content: Option<Content>,
 }
 
+/// How a conversation's prompt ends (vLLM's `add_generation_prompt` and
+/// `continue_final_message`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ChatEnd {
+    /// The assistant's turn opened after the messages: the model answers.
+    #[default]
+    Open,
+    /// Nothing opened after the last message.
+    Closed,
+    /// The final message left open (its end-of-turn marker cut off): the
+    /// model goes on writing it.
+    ContinueFinal,
+}
+
 /// `POST /v1/chat/completions`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ChatRequest {
@@ -144,6 +158,13 @@ pub struct ChatRequest {
     pub top_logprobs: Option<i64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tools: Option<serde_json::Value>,
+    /// vLLM's: open the assistant's turn after the messages (default true).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub add_generation_prompt: Option<bool>,
+    /// vLLM's: leave the final message open and go on writing it (default
+    /// false; needs `add_generation_prompt` false).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub continue_final_message: Option<bool>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

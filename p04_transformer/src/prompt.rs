@@ -12,6 +12,7 @@
 
 use std::sync::Arc;
 
+use common::openai::ChatEnd;
 use minijinja::{context, Environment};
 use serde::Serialize;
 use thiserror::Error;
@@ -32,13 +33,15 @@ pub enum PromptError {
     Compile(String),
     #[error("the chat template rejected the messages: {0}")]
     Render(String),
+    #[error("continue_final_message: {0}")]
+    ContinueFinal(String),
 }
 
 impl PromptError {
     /// The request field the error is about, OpenAI style.
     pub fn param(&self) -> Option<String> {
         match self {
-            PromptError::NoMessages => Some("messages".into()),
+            PromptError::NoMessages | PromptError::ContinueFinal(_) => Some("messages".into()),
             PromptError::Role { index, .. } => Some(format!("messages[{index}].role")),
             PromptError::Compile(_) | PromptError::Render(_) => None,
         }
@@ -100,6 +103,46 @@ impl PromptBuilder {
     /// The prompt text for a conversation of (role, content) turns, ending
     /// with the assistant turn opened. `developer` is read as `system`.
     pub fn chat_text(&self, turns: &[(&str, &str)]) -> Result<String, PromptError> {
+        self.chat_text_ending(turns, ChatEnd::Open)
+    }
+
+    /// As [`Self::chat_text`], ending as `end` asks. `ContinueFinal` is
+    /// transformers' `continue_final_message`: rendered without a
+    /// generation prompt, then cut just after the final message's content
+    /// (its last occurrence, whitespace-trimmed as transformers finds it),
+    /// so that its end-of-turn marker is gone and the model goes on
+    /// writing it.
+    pub fn chat_text_ending(
+        &self,
+        turns: &[(&str, &str)],
+        end: ChatEnd,
+    ) -> Result<String, PromptError> {
+        let mut text = self.render(turns, end == ChatEnd::Open)?;
+        if end == ChatEnd::ContinueFinal {
+            let last = turns.last().map_or("", |t| t.1);
+            let stripped = last.trim();
+            if stripped.is_empty() {
+                return Err(PromptError::ContinueFinal(
+                    "the final message is empty: there is nothing to continue".into(),
+                ));
+            }
+            let Some(at) = text.rfind(stripped) else {
+                return Err(PromptError::ContinueFinal(
+                    "the chat template does not render the final message's content".into(),
+                ));
+            };
+            // The template kept the content's trailing whitespace: keep it.
+            let lstripped = last.trim_start();
+            let cut = match text[at..].starts_with(lstripped) {
+                true => at + lstripped.len(),
+                false => at + stripped.len(),
+            };
+            text.truncate(cut);
+        }
+        Ok(text)
+    }
+
+    fn render(&self, turns: &[(&str, &str)], open: bool) -> Result<String, PromptError> {
         if turns.is_empty() {
             return Err(PromptError::NoMessages);
         }
@@ -123,7 +166,7 @@ impl PromptBuilder {
             .map_err(|e| PromptError::Render(e.to_string()))?;
         tmpl.render(context! {
             messages => msgs,
-            add_generation_prompt => true,
+            add_generation_prompt => open,
             bos_token => self.bos_token,
             eos_token => self.eos_token,
         })
@@ -143,7 +186,16 @@ impl PromptBuilder {
 
     /// Token ids of a conversation (template, then [`Self::encode_text`]).
     pub fn encode_chat(&self, turns: &[(&str, &str)]) -> Result<Vec<u32>, PromptError> {
-        Ok(self.encode_text(&self.chat_text(turns)?))
+        self.encode_chat_ending(turns, ChatEnd::Open)
+    }
+
+    /// Token ids of a conversation ending as `end` asks.
+    pub fn encode_chat_ending(
+        &self,
+        turns: &[(&str, &str)],
+        end: ChatEnd,
+    ) -> Result<Vec<u32>, PromptError> {
+        Ok(self.encode_text(&self.chat_text_ending(turns, end)?))
     }
 }
 
@@ -186,6 +238,41 @@ mod tests {
             s,
             "<|im_start|>system\nS<|im_end|>\n<|im_start|>system\nD<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
         );
+    }
+
+    #[test]
+    fn a_final_message_is_continued_without_its_end_of_turn() {
+        let t = builder(None);
+        let turns = [("user", "hi"), ("assistant", "Hello, wor")];
+        let head = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n";
+        assert_eq!(
+            t.chat_text_ending(&turns, ChatEnd::ContinueFinal).unwrap(),
+            format!("{head}Hello, wor")
+        );
+        assert_eq!(
+            t.chat_text_ending(&turns, ChatEnd::Closed).unwrap(),
+            format!("{head}Hello, wor<|im_end|>\n")
+        );
+        // Trailing whitespace the template keeps is kept.
+        let turns = [("user", "hi"), ("assistant", "Hello \n")];
+        assert_eq!(
+            t.chat_text_ending(&turns, ChatEnd::ContinueFinal).unwrap(),
+            format!("{head}Hello \n")
+        );
+        // Cut at the final message, not an earlier equal one.
+        let turns = [("user", "Hello"), ("assistant", "Hello")];
+        let s = t.chat_text_ending(&turns, ChatEnd::ContinueFinal).unwrap();
+        assert_eq!(
+            s,
+            "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\nHello"
+        );
+        let e = t
+            .chat_text_ending(
+                &[("user", "hi"), ("assistant", " ")],
+                ChatEnd::ContinueFinal,
+            )
+            .unwrap_err();
+        assert_eq!(e.param().as_deref(), Some("messages"));
     }
 
     #[test]

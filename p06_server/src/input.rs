@@ -7,7 +7,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use common::engine::{EngineError, EngineRequest, PromptInput};
+use common::engine::{ChatEnd, EngineError, EngineRequest, PromptInput};
 use common::ModelInfo;
 use p04_transformer::prompt::check_context;
 use p04_transformer::{PromptBuilder, PromptError, Tokenizer};
@@ -53,6 +53,15 @@ impl InputProcessor {
     /// Token ids for a prompt: text and chat through the model's template and
     /// BOS policy; token prompts as given (checked against the vocabulary).
     pub fn encode(&self, prompt: &PromptInput) -> Result<Vec<u32>, EngineError> {
+        self.encode_ending(prompt, ChatEnd::Open)
+    }
+
+    /// As [`Self::encode`], a chat ending as `end` asks.
+    pub fn encode_ending(
+        &self,
+        prompt: &PromptInput,
+        end: ChatEnd,
+    ) -> Result<Vec<u32>, EngineError> {
         let invalid = |param: &str, message: String| EngineError::InvalidRequest {
             message,
             param: Some(param.to_string()),
@@ -82,7 +91,9 @@ impl InputProcessor {
                 self.check_bytes("messages", turns.iter().map(|(_, c)| c.len()).sum())?;
                 let turns: Vec<(&str, &str)> =
                     turns.iter().map(|(r, c)| (*r, c.as_str())).collect();
-                self.prompts.encode_chat(&turns).map_err(prompt_error)
+                self.prompts
+                    .encode_chat_ending(&turns, end)
+                    .map_err(prompt_error)
             }
         }
     }
@@ -109,7 +120,7 @@ impl InputProcessor {
 
     /// Tokenise, check against the context and convert the settings.
     pub fn prepare(&self, request: EngineRequest) -> Result<Prepared, EngineError> {
-        let prompt = self.encode(&request.prompt)?;
+        let prompt = self.encode_ending(&request.prompt, request.chat_end)?;
         if prompt.is_empty() {
             return Err(EngineError::InvalidRequest {
                 message: "the prompt is empty".into(),

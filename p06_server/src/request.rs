@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use common::engine::{EngineRequest, PromptInput, SamplingParams};
+use common::engine::{ChatEnd, EngineRequest, PromptInput, SamplingParams};
 use common::openai::{ChatRequest, CommonParams, CompletionRequest, PromptSpec};
 use serde::de::DeserializeOwned;
 
@@ -327,13 +327,28 @@ pub fn chat(bytes: &[u8], served: &str) -> Result<Parsed, ApiError> {
     let Some(messages) = r.messages else {
         return Err(ApiError::invalid("messages", "messages is required"));
     };
+    // vLLM's two fields: both set is refused, as there.
+    let open = r.add_generation_prompt.unwrap_or(true);
+    let chat_end = match (open, r.continue_final_message.unwrap_or(false)) {
+        (true, false) => ChatEnd::Open,
+        (false, false) => ChatEnd::Closed,
+        (false, true) => ChatEnd::ContinueFinal,
+        (true, true) => {
+            return Err(ApiError::invalid(
+                "continue_final_message",
+                "continue_final_message needs add_generation_prompt set to false",
+            ))
+        }
+    };
     let max_tokens = common.max_tokens;
-    Ok(common.into_parsed(
+    let mut parsed = common.into_parsed(
         Endpoint::Chat,
         PromptInput::Chat(messages),
         max_tokens,
         logprobs,
-    ))
+    );
+    parsed.engine.chat_end = chat_end;
+    Ok(parsed)
 }
 
 #[cfg(test)]
@@ -411,5 +426,26 @@ mod tests {
         assert_eq!(p.engine.stop, ["x"]);
         assert_eq!(p.engine.logprobs, Some(2));
         assert!(p.stream && p.include_usage && p.engine.ignore_eos);
+    }
+
+    #[test]
+    fn a_chat_ends_as_add_generation_prompt_and_continue_final_message_ask() {
+        let end = |extra: &str| {
+            let body = format!(r#"{{"messages": [{{"role": "user", "content": "hi"}}]{extra}}}"#);
+            chat(body.as_bytes(), "m").map(|p| p.engine.chat_end)
+        };
+        assert_eq!(end("").unwrap(), ChatEnd::Open);
+        assert_eq!(
+            end(r#", "add_generation_prompt": false"#).unwrap(),
+            ChatEnd::Closed
+        );
+        assert_eq!(
+            end(r#", "add_generation_prompt": false, "continue_final_message": true"#).unwrap(),
+            ChatEnd::ContinueFinal
+        );
+        // vLLM refuses both; so does this server (add_generation_prompt
+        // defaults to true).
+        let e = end(r#", "continue_final_message": true"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("continue_final_message"));
     }
 }

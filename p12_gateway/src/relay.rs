@@ -234,9 +234,9 @@ pub(crate) fn relay(
                 Ok(Some(Ok(bytes))) => match split.push(&bytes) {
                     Ok(events) => {
                         let again = resume.as_ref().filter(|_| resumed > 0);
-                        pending.extend(events.into_iter().map(|e| match again {
+                        pending.extend(events.into_iter().filter_map(|e| match again {
                             Some(r) => r.rewrite(e),
-                            None => e,
+                            None => Some(e),
                         }));
                         continue;
                     }
@@ -264,14 +264,16 @@ pub(crate) fn relay(
                             resumed += 1;
                             attempt = Some(a);
                             (body, split) = rest;
-                            pending.extend(first.into_iter().map(|e| r.rewrite(e)));
+                            pending.extend(first.into_iter().filter_map(|e| r.rewrite(e)));
                             continue;
                         }
                         Err(why) => why,
                     },
                 },
                 Some(_) => format!("resumed {MAX_RESUMES} times already"),
-                None => "only a single-choice completion with a text prompt can be".into(),
+                None => "only a single-choice completion with a text prompt, or a \
+                         single-choice chat without tools or logprobs, can be"
+                    .into(),
             };
             failure = Some(format!("{broke}; not continued elsewhere: {why}"));
             break;

@@ -21,11 +21,21 @@
 //! almost always do); a sampled stream continues as another sample from
 //! the same text. A stream cut after its last token (the budget spent)
 //! or its finish reason is closed by the gateway instead: the finish
-//! chunk, the usage, `[DONE]`. Only `/v1/completions` with one string prompt and one
-//! choice (no `echo`, `logprobs`, `best_of` or `suffix`) is resumed: a chat
-//! request would need the backend to continue an unfinished assistant turn,
-//! which the OpenAI API has no field for. A stop string that straddles the
-//! cut is not seen by the continuation.
+//! chunk, the usage, `[DONE]`. Resumed: `/v1/completions` with one string
+//! prompt and one choice (no `echo`, `logprobs`, `best_of` or `suffix`),
+//! and `/v1/chat/completions` with one choice, no tools and no logprobs.
+//! A chat continues through vLLM's `continue_final_message` (the OpenAI
+//! API has no field for it): the text sent becomes an unfinished assistant
+//! message (or is appended to the client's own unfinished one) that the
+//! backend goes on writing; the continuation's opening role chunk is not
+//! relayed again. A stop string that straddles the cut is not seen by the
+//! continuation.
+//!
+//! ```text
+//! chat asked     messages M, max_completion_tokens K
+//! continuation   messages M + {assistant: "Once upon a"}, add_generation_prompt
+//!                false, continue_final_message true, K - 3
+//! ```
 
 use axum::body::Bytes;
 use serde_json::{Map, Value};
@@ -36,9 +46,13 @@ use crate::sse;
 /// What a committed stream needs to be continued elsewhere.
 #[derive(Clone, Debug)]
 pub struct Resume {
+    endpoint: Endpoint,
     /// The client's request body.
     body: Map<String, Value>,
+    /// Completions: the prompt.
     prompt: String,
+    /// The budget's field (chat may name it `max_completion_tokens`).
+    budget: &'static str,
     max_tokens: Option<u64>,
     /// Text sent to the client so far.
     text: String,
@@ -56,13 +70,9 @@ pub struct Resume {
 impl Resume {
     /// The resume state of a request, or None when it cannot be resumed.
     pub fn new(endpoint: Endpoint, body: &[u8]) -> Option<Resume> {
-        if endpoint != Endpoint::Completions {
-            return None;
-        }
         let Value::Object(body) = serde_json::from_slice(body).ok()? else {
             return None;
         };
-        let prompt = body.get("prompt")?.as_str()?.to_string();
         let one = |k: &str| {
             body.get(k)
                 .is_none_or(|v| v.is_null() || v.as_u64() == Some(1))
@@ -71,19 +81,50 @@ impl Resume {
             body.get(k)
                 .is_none_or(|v| v.is_null() || v.as_bool() == Some(false))
         };
-        if !one("n") || !one("best_of") || !off("echo") || body.contains_key("suffix") {
+        let set = |k: &str| body.get(k).is_some_and(|v| !v.is_null());
+        if !one("n") {
             return None;
         }
-        if body.get("logprobs").is_some_and(|v| !v.is_null()) {
-            return None;
-        }
-        let max_tokens = match body.get("max_tokens") {
+        let mut budget = "max_tokens";
+        let prompt = match endpoint {
+            Endpoint::Completions => {
+                if !one("best_of") || !off("echo") || set("suffix") || set("logprobs") {
+                    return None;
+                }
+                body.get("prompt")?.as_str()?.to_string()
+            }
+            Endpoint::Chat => {
+                if !off("logprobs") || set("top_logprobs") || set("tools") {
+                    return None;
+                }
+                let messages = body.get("messages")?.as_array()?;
+                // A prompt closed without a generation prompt cannot be
+                // written as messages once text follows it.
+                let continues = body.get("continue_final_message") == Some(&Value::Bool(true));
+                let closed = body.get("add_generation_prompt") == Some(&Value::Bool(false));
+                if closed && !continues {
+                    return None;
+                }
+                // Appended to: the client's own unfinished message must
+                // be a string.
+                if continues && !messages.last()?.get("content")?.is_string() {
+                    return None;
+                }
+                if set("max_completion_tokens") {
+                    budget = "max_completion_tokens";
+                }
+                String::new()
+            }
+        };
+        let max_tokens = match body.get(budget) {
             None | Some(Value::Null) => None,
             Some(v) => Some(v.as_u64()?),
         };
         Some(Resume {
+            endpoint,
             body,
             prompt,
+            budget,
             max_tokens,
             text: String::new(),
             tokens: 0,
@@ -101,7 +142,11 @@ impl Resume {
             self.id = v.get("id").cloned();
             self.created = v.get("created").cloned();
         }
-        if let Some(t) = v.pointer("/choices/0/text").and_then(Value::as_str) {
+        let text = match self.endpoint {
+            Endpoint::Completions => v.pointer("/choices/0/text"),
+            Endpoint::Chat => v.pointer("/choices/0/delta/content"),
+        };
+        if let Some(t) = text.and_then(Value::as_str) {
             if !t.is_empty() {
                 self.text.push_str(t);
                 self.tokens += 1;
@@ -136,7 +181,11 @@ impl Resume {
                     o.insert(k.into(), v.clone());
                 }
             }
-            o.insert("object".into(), "text_completion".into());
+            let object = match self.endpoint {
+                Endpoint::Completions => "text_completion",
+                Endpoint::Chat => "chat.completion.chunk",
+            };
+            o.insert("object".into(), object.into());
             if let Some(m) = self.body.get("model") {
                 o.insert("model".into(), m.clone());
             }
@@ -146,8 +195,12 @@ impl Resume {
         if !self.finished {
             let mut o = Map::new();
             head(&mut o);
-            let choice = serde_json::json!({"index": 0, "text": "", "logprobs": null,
-                                            "finish_reason": "length"});
+            let choice = match self.endpoint {
+                Endpoint::Completions => serde_json::json!({"index": 0, "text": "",
+                    "logprobs": null, "finish_reason": "length"}),
+                Endpoint::Chat => serde_json::json!({"index": 0, "delta": {},
+                    "logprobs": null, "finish_reason": "length"}),
+            };
             o.insert("choices".into(), Value::Array(vec![choice]));
             out.push(event(o));
         }
@@ -184,12 +237,33 @@ impl Resume {
         };
         self.moved = self.tokens;
         let mut b = self.body.clone();
-        b.insert(
-            "prompt".into(),
-            Value::String(format!("{}{}", self.prompt, self.text)),
-        );
+        match self.endpoint {
+            Endpoint::Completions => {
+                b.insert(
+                    "prompt".into(),
+                    Value::String(format!("{}{}", self.prompt, self.text)),
+                );
+            }
+            Endpoint::Chat => {
+                let continues = b.get("continue_final_message") == Some(&Value::Bool(true));
+                let Some(Value::Array(messages)) = b.get_mut("messages") else {
+                    return None;
+                };
+                match (continues, messages.last_mut()) {
+                    (true, Some(Value::Object(last))) => {
+                        let was = last.get("content").and_then(Value::as_str).unwrap_or("");
+                        let content = format!("{was}{}", self.text);
+                        last.insert("content".into(), content.into());
+                    }
+                    _ => messages.push(serde_json::json!({"role": "assistant",
+                                                          "content": self.text})),
+                }
+                b.insert("add_generation_prompt".into(), false.into());
+                b.insert("continue_final_message".into(), true.into());
+            }
+        }
         if let Some(left) = left {
-            b.insert("max_tokens".into(), left.into());
+            b.insert(self.budget.into(), left.into());
         }
         // The gateway settles at the usage: always ask for it.
         let opts = b
@@ -203,14 +277,26 @@ impl Resume {
 
     /// An event of the continuation as the client should see it: the first
     /// stream's `id` and `created`, and usage over the whole answer (the
-    /// text that became prompt counted as completion again).
-    pub fn rewrite(&self, event: Vec<u8>) -> Vec<u8> {
+    /// text that became prompt counted as completion again); None for a
+    /// chat's opening role chunk (the client had one).
+    pub fn rewrite(&self, event: Vec<u8>) -> Option<Vec<u8>> {
         let Some(mut v) = sse::data(&event).and_then(|d| serde_json::from_str::<Value>(&d).ok())
         else {
-            return event; // [DONE], comments
+            return Some(event); // [DONE], comments
         };
+        let finished = v
+            .pointer("/choices/0/finish_reason")
+            .is_some_and(|f| !f.is_null());
+        if let Some(Value::Object(delta)) = v.pointer_mut("/choices/0/delta") {
+            if delta.remove("role").is_some()
+                && delta.get("content").is_none_or(|c| c.as_str() == Some(""))
+                && !finished
+            {
+                return None;
+            }
+        }
         let Some(o) = v.as_object_mut() else {
-            return event;
+            return Some(event);
         };
         for (k, was) in [("id", &self.id), ("created", &self.created)] {
             if let (Some(was), true) = (was, o.contains_key(k)) {
@@ -225,7 +311,7 @@ impl Resume {
                 u.insert("completion_tokens".into(), c.saturating_add(moved).into());
             }
         }
-        format!("data: {}\n\n", Value::Object(o.clone())).into_bytes()
+        Some(format!("data: {}\n\n", Value::Object(o.clone())).into_bytes())
     }
 }
 
@@ -257,9 +343,22 @@ mod tests {
         assert!(!ok(json!({"prompt": "p", "best_of": 3})));
         assert!(!ok(json!({"prompt": "p", "suffix": "s"})));
         assert!(!ok(json!({"prompt": "p", "max_tokens": -1})));
-        let chat = json!({"messages": [{"role": "user", "content": "hi"}]});
-        assert!(Resume::new(Endpoint::Chat, chat.to_string().as_bytes()).is_none());
         assert!(Resume::new(Endpoint::Completions, b"not json").is_none());
+        let chat = |extra: Value| {
+            let mut b = json!({"messages": [{"role": "user", "content": "hi"}]});
+            for (k, v) in extra.as_object().unwrap() {
+                b[k] = v.clone();
+            }
+            Resume::new(Endpoint::Chat, b.to_string().as_bytes()).is_some()
+        };
+        assert!(chat(json!({})));
+        assert!(chat(json!({"n": 1, "logprobs": false, "tools": null})));
+        assert!(!chat(json!({"n": 2})));
+        assert!(!chat(json!({"logprobs": true})));
+        assert!(!chat(json!({"top_logprobs": 2})));
+        assert!(!chat(json!({"tools": [{"type": "function"}]})));
+        assert!(!chat(json!({"add_generation_prompt": false})));
+        assert!(!chat(json!({"max_completion_tokens": -1})));
     }
 
     #[test]
@@ -278,18 +377,25 @@ mod tests {
         assert_eq!(c["stream_options"]["include_usage"], true);
         // The continuation's events wear the first stream's id; its usage
         // counts the moved text as completion.
-        let ev = r.rewrite(event(
-            json!({"id": "cmpl-2", "created": 9, "choices": [{"text": " time"}]}),
-        ));
+        let ev = r
+            .rewrite(event(
+                json!({"id": "cmpl-2", "created": 9, "choices": [{"text": " time"}]}),
+            ))
+            .unwrap();
         assert_eq!(parse(&ev)["id"], "cmpl-1");
         assert_eq!(parse(&ev)["created"], 7);
         r.sent(&parse(&ev)); // the continuation's own text is not what moved
-        let ev = r.rewrite(event(
-            json!({"id": "cmpl-2", "choices": [], "usage": {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}}),
-        ));
+        let ev = r
+            .rewrite(event(
+                json!({"id": "cmpl-2", "choices": [], "usage": {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}}),
+            ))
+            .unwrap();
         assert_eq!(parse(&ev)["usage"]["prompt_tokens"], 4);
         assert_eq!(parse(&ev)["usage"]["completion_tokens"], 5);
-        assert_eq!(r.rewrite(b"data: [DONE]\n\n".to_vec()), b"data: [DONE]\n\n");
+        assert_eq!(
+            r.rewrite(b"data: [DONE]\n\n".to_vec()).unwrap(),
+            b"data: [DONE]\n\n"
+        );
         // Budget spent: nothing to continue.
         for t in [" b", " c", " d"] {
             r.sent(&json!({"choices": [{"text": t}]}));
@@ -316,5 +422,66 @@ mod tests {
         let mut r = Resume::new(Endpoint::Completions, body.to_string().as_bytes()).unwrap();
         let c: Value = serde_json::from_slice(&r.continuation().unwrap()).unwrap();
         assert!(c.get("max_tokens").is_none());
+    }
+
+    #[test]
+    fn a_chat_continues_its_unfinished_assistant_message() {
+        let body = json!({"model": "m", "stream": true, "max_completion_tokens": 6,
+                          "messages": [{"role": "user", "content": "Tell a tale"}]});
+        let mut r = Resume::new(Endpoint::Chat, body.to_string().as_bytes()).unwrap();
+        let chunk = |delta: Value| {
+            json!({"id": "chatcmpl-1", "created": 7,
+                                          "choices": [{"index": 0, "delta": delta}]})
+        };
+        r.sent(&chunk(json!({"role": "assistant", "content": ""})));
+        for t in ["Once", " upon"] {
+            r.sent(&chunk(json!({"content": t})));
+        }
+        assert_eq!(r.tokens(), 2, "the role chunk is no token");
+        let c: Value = serde_json::from_slice(&r.continuation().unwrap()).unwrap();
+        assert_eq!(
+            c["messages"],
+            json!([{"role": "user", "content": "Tell a tale"},
+                   {"role": "assistant", "content": "Once upon"}])
+        );
+        assert_eq!(
+            (
+                c["add_generation_prompt"].clone(),
+                c["continue_final_message"].clone()
+            ),
+            (json!(false), json!(true))
+        );
+        assert_eq!(c["max_completion_tokens"], 4);
+        assert!(c.get("max_tokens").is_none());
+        // The continuation's role chunk is not relayed; its text is, as
+        // the first stream's.
+        let role = event(json!({"id": "chatcmpl-2", "created": 9,
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}));
+        assert_eq!(r.rewrite(role), None);
+        let ev = r
+            .rewrite(event(json!({"id": "chatcmpl-2", "created": 9,
+                "choices": [{"index": 0, "delta": {"content": " a"}}]})))
+            .unwrap();
+        assert_eq!(parse(&ev)["id"], "chatcmpl-1");
+        assert_eq!(parse(&ev)["choices"][0]["delta"]["content"], " a");
+        // Spent: closed with a chat finish chunk.
+        for t in [" a", " time", ",", " there"] {
+            r.sent(&chunk(json!({"content": t})));
+        }
+        assert!(r.spent());
+        let fin = parse(&r.closing(5)[0]);
+        assert_eq!(fin["object"], "chat.completion.chunk");
+        assert_eq!(fin["choices"][0]["delta"], json!({}));
+        assert_eq!(fin["choices"][0]["finish_reason"], "length");
+        // A client that continues its own message: the text is appended.
+        let body = json!({"stream": true, "add_generation_prompt": false,
+                          "continue_final_message": true,
+                          "messages": [{"role": "user", "content": "Tell a tale"},
+                                       {"role": "assistant", "content": "Once"}]});
+        let mut r = Resume::new(Endpoint::Chat, body.to_string().as_bytes()).unwrap();
+        r.sent(&chunk(json!({"content": " upon"})));
+        let c: Value = serde_json::from_slice(&r.continuation().unwrap()).unwrap();
+        assert_eq!(c["messages"][1]["content"], "Once upon");
+        assert_eq!(c["messages"].as_array().unwrap().len(), 2);
     }
 }

@@ -129,7 +129,7 @@ async fn a_stream_cut_after_its_first_event_ends_with_an_error_event() {
 }
 
 /// Two of our servers; one is killed while requests run. No non-streaming
-/// request fails, a stream running on it ends with an error event, the
+/// request fails, a chat stream running on it is continued on the other, the
 /// health checks eject it, and after it comes back the breaker closes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backend_killed_mid_run_fails_no_request_and_comes_back() {
@@ -194,9 +194,14 @@ async fn a_backend_killed_mid_run_fails_no_request_and_comes_back() {
     }
     let rest = String::from_utf8_lossy(&rest);
     assert!(
-        rest.contains("backend_stream_failed") && !rest.contains("[DONE]"),
-        "{rest}"
+        !rest.contains("backend_stream_failed") && rest.ends_with("data: [DONE]\n\n"),
+        "the chat stream is continued on the other backend: {rest}"
     );
+    let resumed = format!(
+        "gateway_stream_resumes_total{{model=\"{MODEL}\",backend=\"{}\"}}",
+        b.url
+    );
+    assert_eq!(metric(&g, &resumed), Some(1.0));
     // Ejected by the health checks.
     let healthy = format!(
         "gateway_backend_healthy{{model=\"{MODEL}\",backend=\"{}\"}}",
@@ -446,14 +451,15 @@ async fn a_completion_stream_cut_mid_way_is_continued_on_another_backend() {
         1,
         "no second continuation"
     );
-    // A chat stream cannot be continued: cut, it ends with an error event.
+    // A chat stream with logprobs cannot be continued (the continuation's
+    // would not be the first's): cut, it ends with an error event.
     let cfg = config(&[&dies.url, &takes_over.url], "round-robin", "", "");
     let (url, _) = gateway(cfg, Arc::new(FakeClock::default()), false).await;
     let mut r = post(
         &url,
         "/v1/chat/completions",
         Some(KEY),
-        &json!({"model": MODEL,
+        &json!({"model": MODEL, "logprobs": true,
         "messages": [{"role": "user", "content": "Hi"}], "stream": true}),
     )
     .await;
@@ -462,6 +468,71 @@ async fn a_completion_stream_cut_mid_way_is_continued_on_another_backend() {
         got.extend_from_slice(&c);
     }
     assert!(String::from_utf8_lossy(&got).contains("backend_stream_failed"));
+}
+
+/// A chat stream's text, from its deltas.
+fn chat_text_of(events: &[serde_json::Value]) -> String {
+    events
+        .iter()
+        .filter_map(|v| v.pointer("/choices/0/delta/content")?.as_str())
+        .collect()
+}
+
+/// Our server killed mid-stream: a greedy chat continued on the other
+/// server (vLLM's `continue_final_message`) is the very text an uncut run
+/// gives, with one role chunk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_greedy_chat_stream_continued_after_a_kill_is_the_uncut_answer() {
+    let mut a = OurServer::start(0);
+    let b = OurServer::start(0);
+    let body = json!({"model": MODEL, "max_tokens": 64, "temperature": 0, "ignore_eos": true,
+                      "stream": true, "messages": [
+                          {"role": "user", "content": "Name the three primary colours."}]});
+    let mut direct = client()
+        .post(format!("{}/v1/chat/completions", b.url))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let mut want = Vec::new();
+    while let Some(c) = direct.chunk().await.unwrap() {
+        want.extend_from_slice(&c);
+    }
+    let want = chat_text_of(&events(&want));
+    assert!(want.len() > 100, "a long answer: {want:?}");
+    let cfg = config(&[&a.url, &b.url], "round-robin", "", "");
+    let (url, g) = gateway(cfg, Arc::new(SystemClock::default()), true).await;
+    let mut r = post(&url, "/v1/chat/completions", Some(KEY), &body).await;
+    assert_eq!(r.status(), 200);
+    let mut got = Vec::new();
+    while events(&got).len() < 6 {
+        got.extend_from_slice(&r.chunk().await.unwrap().unwrap());
+    }
+    a.kill();
+    while let Some(c) = r.chunk().await.unwrap() {
+        got.extend_from_slice(&c);
+    }
+    let evs = events(&got);
+    let resumed = format!(
+        "gateway_stream_resumes_total{{model=\"{MODEL}\",backend=\"{}\"}}",
+        b.url
+    );
+    assert_eq!(metric(&g, &resumed), Some(1.0), "the kill cut the stream");
+    assert_eq!(
+        evs.last().unwrap(),
+        "[DONE]",
+        "{}",
+        String::from_utf8_lossy(&got)
+    );
+    assert_eq!(chat_text_of(&evs), want);
+    let roles = evs
+        .iter()
+        .filter(|v| v.pointer("/choices/0/delta/role").is_some())
+        .count();
+    assert_eq!(roles, 1, "one opening role chunk");
+    let ids: std::collections::BTreeSet<&str> =
+        evs.iter().filter_map(|v| v.get("id")?.as_str()).collect();
+    assert_eq!(ids.len(), 1, "one stream's id: {ids:?}");
 }
 
 /// Our server killed mid-stream: a greedy completion continued on the

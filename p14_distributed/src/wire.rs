@@ -109,6 +109,7 @@ impl From<WireRequest> for EngineRequest {
             logprobs: w.logprobs,
             n: 1,
             cache_salt: w.cache_salt,
+            chat_end: common::engine::ChatEnd::Open,
         }
     }
 }
