@@ -182,6 +182,12 @@ fn values_out_of_range_are_refused_with_the_field_named() {
             "roles.decode",
         ),
         (
+            // A split deployment's proxies report requests in flight only.
+            with("roles:", "roles: {prefill: 1, decode: 1}")
+                .replace("metric: concurrency", "metric: queue"),
+            "autoscaling.metric",
+        ),
+        (
             with("rollout:", "rollout: {max_surge: 0, max_unavailable: 0}"),
             "rollout.max_surge",
         ),
