@@ -30,4 +30,5 @@ pub mod routing;
 pub mod tap;
 pub mod wire;
 pub mod worker;
+pub mod worker_pull;
 pub mod worker_serve;
