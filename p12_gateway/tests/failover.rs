@@ -478,19 +478,21 @@ fn chat_text_of(events: &[serde_json::Value]) -> String {
         .collect()
 }
 
-/// Our server killed mid-stream: a greedy chat continued on the other
-/// server (vLLM's `continue_final_message`) is the very text an uncut run
-/// gives, with one role chunk.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_greedy_chat_stream_continued_after_a_kill_is_the_uncut_answer() {
+/// Two of our servers; `body` streamed uncut from the second, then through
+/// the gateway (round-robin starts at the first), the first killed after
+/// `after` events: (the uncut events, the gateway's events). Asserts that
+/// the kill cut the stream (one resume on the second) and that the
+/// client's stream still ends with `[DONE]`.
+async fn killed_after(
+    path: &str,
+    body: &serde_json::Value,
+    after: usize,
+) -> [Vec<serde_json::Value>; 2] {
     let mut a = OurServer::start(0);
     let b = OurServer::start(0);
-    let body = json!({"model": MODEL, "max_tokens": 64, "temperature": 0, "ignore_eos": true,
-                      "stream": true, "messages": [
-                          {"role": "user", "content": "Name the three primary colours."}]});
     let mut direct = client()
-        .post(format!("{}/v1/chat/completions", b.url))
-        .json(&body)
+        .post(format!("{}{path}", b.url))
+        .json(body)
         .send()
         .await
         .unwrap();
@@ -498,32 +500,44 @@ async fn a_greedy_chat_stream_continued_after_a_kill_is_the_uncut_answer() {
     while let Some(c) = direct.chunk().await.unwrap() {
         want.extend_from_slice(&c);
     }
-    let want = chat_text_of(&events(&want));
-    assert!(want.len() > 100, "a long answer: {want:?}");
     let cfg = config(&[&a.url, &b.url], "round-robin", "", "");
     let (url, g) = gateway(cfg, Arc::new(SystemClock::default()), true).await;
-    let mut r = post(&url, "/v1/chat/completions", Some(KEY), &body).await;
+    let mut r = post(&url, path, Some(KEY), body).await;
     assert_eq!(r.status(), 200);
     let mut got = Vec::new();
-    while events(&got).len() < 6 {
+    while events(&got).len() < after {
         got.extend_from_slice(&r.chunk().await.unwrap().unwrap());
     }
     a.kill();
     while let Some(c) = r.chunk().await.unwrap() {
         got.extend_from_slice(&c);
     }
-    let evs = events(&got);
     let resumed = format!(
         "gateway_stream_resumes_total{{model=\"{MODEL}\",backend=\"{}\"}}",
         b.url
     );
     assert_eq!(metric(&g, &resumed), Some(1.0), "the kill cut the stream");
+    let evs = events(&got);
     assert_eq!(
         evs.last().unwrap(),
         "[DONE]",
         "{}",
         String::from_utf8_lossy(&got)
     );
+    [events(&want), evs]
+}
+
+/// Our server killed mid-stream: a greedy chat continued on the other
+/// server (vLLM's `continue_final_message`) is the very text an uncut run
+/// gives, with one role chunk and one id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_greedy_chat_stream_continued_after_a_kill_is_the_uncut_answer() {
+    let body = json!({"model": MODEL, "max_tokens": 64, "temperature": 0, "ignore_eos": true,
+                      "stream": true, "messages": [
+                          {"role": "user", "content": "Name the three primary colours."}]});
+    let [want, evs] = killed_after("/v1/chat/completions", &body, 6).await;
+    let want = chat_text_of(&want);
+    assert!(want.len() > 100, "a long answer: {want:?}");
     assert_eq!(chat_text_of(&evs), want);
     let roles = evs
         .iter()
@@ -539,47 +553,10 @@ async fn a_greedy_chat_stream_continued_after_a_kill_is_the_uncut_answer() {
 /// other server is the very text an uncut run gives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_greedy_stream_continued_after_a_kill_is_the_uncut_answer() {
-    let mut a = OurServer::start(0);
-    let b = OurServer::start(0);
     let body = json!({"model": MODEL, "prompt": "The three primary colours are",
                       "max_tokens": 64, "temperature": 0, "ignore_eos": true, "stream": true});
-    // The uncut answer, straight from b.
-    let mut direct = client()
-        .post(format!("{}/v1/completions", b.url))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    let mut want = Vec::new();
-    while let Some(c) = direct.chunk().await.unwrap() {
-        want.extend_from_slice(&c);
-    }
-    let want = text_of(&events(&want));
+    let [want, evs] = killed_after("/v1/completions", &body, 5).await;
+    let want = text_of(&want);
     assert!(want.len() > 100, "a long answer: {want:?}");
-    let cfg = config(&[&a.url, &b.url], "round-robin", "", "");
-    let (url, g) = gateway(cfg, Arc::new(SystemClock::default()), true).await;
-    // Round-robin starts at a: the stream runs there; a dies mid-way.
-    let mut r = post(&url, "/v1/completions", Some(KEY), &body).await;
-    assert_eq!(r.status(), 200);
-    let mut got = Vec::new();
-    while events(&got).len() < 5 {
-        got.extend_from_slice(&r.chunk().await.unwrap().unwrap());
-    }
-    a.kill();
-    while let Some(c) = r.chunk().await.unwrap() {
-        got.extend_from_slice(&c);
-    }
-    let evs = events(&got);
-    let resumed = format!(
-        "gateway_stream_resumes_total{{model=\"{MODEL}\",backend=\"{}\"}}",
-        b.url
-    );
-    assert_eq!(metric(&g, &resumed), Some(1.0), "the kill cut the stream");
-    assert_eq!(
-        evs.last().unwrap(),
-        "[DONE]",
-        "{}",
-        String::from_utf8_lossy(&got)
-    );
     assert_eq!(text_of(&evs), want);
 }
