@@ -21,7 +21,10 @@
 //!           (the same three); every system started fresh for each
 //! measured  SLO attainment (requests whose TTFT met the SLO, 1 s), goodput
 //!           (those per second), TTFT p50/p99, failed requests;
-//!           replica-seconds against the ideal max(1, ceil(clients / 2));
+//!           replica-seconds against the ideal max(1, ceil(clients / 2)),
+//!           over the 110 s window or, with `--settle-s S`, on until the
+//!           system is back at one replica (at most S s past the window:
+//!           a downscale delay's replicas cost what they cost);
 //!           the step's reaction (the step to one more replica serving);
 //!           flaps (the count turning back while the load holds)
 //! ```
@@ -77,6 +80,11 @@ pub struct ScaleBenchArgs {
     /// Print only; append nothing to numbers.md.
     #[arg(long)]
     pub no_rows: bool,
+    /// After the load's window, keep counting replica-seconds until the
+    /// system is back at one replica, for at most this many seconds (0:
+    /// the window only).
+    #[arg(long, default_value_t = 0.0)]
+    pub settle_s: f64,
 }
 
 /// A load profile: the number of clients over time.
@@ -195,6 +203,9 @@ pub struct Trial {
     pub profile: Profile,
     pub records: Vec<Record>,
     pub samples: Vec<Sample>,
+    /// Seconds from the start to the last sample counted: the window's
+    /// end, or later with `--settle-s`.
+    pub end: f64,
 }
 
 /// Everything environment the servers get (both systems alike): one
@@ -275,8 +286,10 @@ async fn start(system: System, out: Arc<Mutex<Vec<Observed>>>) -> anyhow::Result
     }
 }
 
-/// Run `system` through `profile` from a fresh start.
-async fn trial(system: System, profile: Profile) -> anyhow::Result<Trial> {
+/// Run `system` through `profile` from a fresh start; with `settle_s`,
+/// observe on past the window until it is back at `MIN` replicas running
+/// (at most `settle_s` more).
+async fn trial(system: System, profile: Profile, settle_s: f64) -> anyhow::Result<Trial> {
     let observed: Arc<Mutex<Vec<Observed>>> = Arc::new(Mutex::new(Vec::new()));
     let (fleet, url) = start(system, observed.clone())
         .await
@@ -290,13 +303,30 @@ async fn trial(system: System, profile: Profile) -> anyhow::Result<Trial> {
     }
     tokio::time::sleep_until((t0 + Duration::from_secs_f64(profile.end())).into()).await;
     let records = clients.records();
+    let mut end = profile.end();
+    if settle_s > 0.0 {
+        let floor = |o: &Observed| o.running <= MIN;
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            end = t0.elapsed().as_secs_f64();
+            let last = observed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .last()
+                .cloned();
+            if last.as_ref().is_some_and(floor) || end >= profile.end() + settle_s {
+                break;
+            }
+        }
+        println!("  {end:6.1} s  counted to here (settled or capped)");
+    }
     let samples = observed
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .iter()
         .filter_map(|o| {
             let t = o.at.checked_duration_since(t0)?.as_secs_f64();
-            (t <= profile.end()).then(|| Sample {
+            (t <= end).then(|| Sample {
                 t,
                 clients: profile.clients_at(t),
                 running: o.running,
@@ -317,6 +347,7 @@ async fn trial(system: System, profile: Profile) -> anyhow::Result<Trial> {
         profile,
         records,
         samples,
+        end,
     })
 }
 
@@ -345,7 +376,7 @@ pub fn run(a: &ScaleBenchArgs) -> anyhow::Result<()> {
                     s.name(),
                     p.describe()
                 );
-                let t = rt.block_on(trial(s, p))?;
+                let t = rt.block_on(trial(s, p, a.settle_s))?;
                 report::print(a, &t);
                 trials.push(t);
             }

@@ -57,7 +57,8 @@ pub fn print(a: &ScaleBenchArgs, t: &Trial) {
     let ttft = ttfts(std::iter::once(t));
     println!(
         "  {} {}: {} requests, {} failed; TTFT p50 {:.3} s p99 {:.3} s; SLO attainment {:.1}%, \
-         goodput {:.2}/s; replica-seconds {:.0} (ideal {:.0}, {:.2}x); reaction {}; flaps {}",
+         goodput {:.2}/s; replica-seconds {:.0} over {:.0} s (ideal {:.0}, {:.2}x); reaction {}; \
+         flaps {}",
         t.system.name(),
         t.profile.name(),
         f.requests,
@@ -67,6 +68,7 @@ pub fn print(a: &ScaleBenchArgs, t: &Trial) {
         100.0 * f.attained as f64 / f.requests.max(1) as f64,
         f.attained as f64 / t.profile.end(),
         f.replica_seconds,
+        t.end,
         f.ideal,
         f.replica_seconds / f.ideal.max(1e-9),
         f.reaction.map_or("none".into(), |r| format!("{r:.1} s")),
@@ -231,14 +233,23 @@ pub fn record(a: &ScaleBenchArgs, trials: &[Trial]) -> anyhow::Result<()> {
             )
             .predicted("0"),
         );
+        // Past the window, replica-seconds are counted until the system
+        // is back at one replica: the rows say so.
+        let until = match a.settle_s > 0.0 {
+            true => format!(
+                ", until back at 1 replica (at most {:.0} s more)",
+                a.settle_s
+            ),
+            false => String::new(),
+        };
         rows.extend(rows_of(
-            &format!("{m}: replica-seconds"),
+            &format!("{m}: replica-seconds{until}"),
             fs.iter().map(|f| f.replica_seconds).collect(),
             "replica-s",
             "",
         ));
         rows.extend(rows_of(
-            &format!("{m}: replica-seconds, ratio to the ideal max(1, ceil(clients / 2))"),
+            &format!("{m}: replica-seconds{until}, ratio to the ideal max(1, ceil(clients / 2))"),
             fs.iter()
                 .map(|f| f.replica_seconds / f.ideal.max(1e-9))
                 .collect(),
