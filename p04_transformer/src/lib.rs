@@ -21,6 +21,7 @@ pub mod model;
 pub mod model_file;
 pub mod proj;
 pub mod prompt;
+pub mod segments;
 pub mod split;
 #[cfg(feature = "bench")]
 pub mod tokenize_bench;

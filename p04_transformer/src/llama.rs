@@ -9,6 +9,7 @@ use common::Tensor;
 
 use crate::error::ModelError;
 use crate::model_file::GgufFile;
+use crate::segments::Segmented;
 pub use crate::proj::{F32Weights, LinearWeights, Proj, ProjLoader};
 pub use crate::split::{HeadSplit, Keep, Role, Split, SplitError};
 use crate::weights::{HfDir, Source};
@@ -198,10 +199,19 @@ impl Llama {
         let kept_f32 = |name: &str, keep: &Keep, w: &[f32]| kept_proj(&f.path, name, keep, w);
         let proj = |name: &str, role: Role, out: usize, inp: usize, heads: Option<usize>| {
             let keep = split.keep(role, &cfg, [out, inp], heads.map(|h| qk_row_source(h, hd)));
-            match native(name, &keep)? {
+            let mut f32_w = None;
+            by_segments(&keep, |k| match native(name, k)? {
                 Some(p) => Ok(p),
-                None => kept_f32(name, &keep, &src.get(name, &[out, inp])?),
-            }
+                None => {
+                    let w = match f32_w.take() {
+                        Some(w) => w,
+                        None => src.get(name, &[out, inp])?,
+                    };
+                    let p = kept_f32(name, k, &w);
+                    f32_w = Some(w);
+                    p
+                }
+            })
         };
         let mut blocks = Vec::with_capacity(cfg.n_layer);
         for i in split.layers(cfg.n_layer) {
@@ -295,7 +305,7 @@ impl Llama {
         let src = Source::Hf(&hf);
         let proj = |name: &str, role: Role, out: usize, inp: usize, w: &[f32]| {
             let keep = split.keep(role, &cfg, [out, inp], None);
-            kept_proj(&hf.weights.path, name, &keep, w)
+            by_segments(&keep, |k| kept_proj(&hf.weights.path, name, k, w))
         };
         let (hd, d) = (cfg.head_dim, cfg.hidden_size);
         let mut blocks = Vec::with_capacity(cfg.n_layer);
@@ -419,6 +429,22 @@ fn rayon_threads() -> usize {
 
 /// The f32 projection of `keep`'s part of tensor `name` (`w`, stored
 /// (out, in)), or a shape error naming the file and tensor.
+/// The projection `keep` names, made by `one` (a part of one segment):
+/// as it is, or, for row-parallel weights summed in segments, one part
+/// per segment folded in the all-reduce's order ([`Segmented`]).
+fn by_segments(
+    keep: &Keep,
+    mut one: impl FnMut(&Keep) -> Result<Proj, ModelError>,
+) -> Result<Proj, ModelError> {
+    if keep.segments <= 1 {
+        return one(keep);
+    }
+    let parts = (0..keep.segments)
+        .map(|s| one(&keep.segment(s)).map(Proj::into_weights))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Proj::from_weights(Box::new(Segmented::new(parts)?)))
+}
+
 fn kept_proj(path: &Path, name: &str, keep: &Keep, w: &[f32]) -> Result<Proj, ModelError> {
     let [out, inp] = keep.full;
     let kept = keep.take(w).ok_or_else(|| ModelError::Shape {

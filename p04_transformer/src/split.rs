@@ -94,6 +94,11 @@ pub struct Keep {
     pub cols: Range<usize>,
     /// The stored tensor's (out, in).
     pub full: [usize; 2],
+    /// Row-parallel weights: the kept columns are summed as this many
+    /// equal segments, folded in the all-reduce's order
+    /// ([`crate::segments`]); 1 for every other weight and for a rank whose
+    /// part is one segment.
+    pub segments: usize,
 }
 
 impl Keep {
@@ -103,6 +108,21 @@ impl Keep {
             rows,
             cols: 0..full[1],
             full,
+            segments: 1,
+        }
+    }
+
+    /// Segment `s` of [`Keep::segments`]: the same rows, columns
+    /// s·w .. (s+1)·w of the kept ones (w = kept columns / segments), one
+    /// segment.
+    pub fn segment(&self, s: usize) -> Keep {
+        let w = self.cols.len() / self.segments.max(1);
+        let start = self.cols.start + s * w;
+        Keep {
+            rows: self.rows.clone(),
+            cols: start..start + w,
+            full: self.full,
+            segments: 1,
         }
     }
 
@@ -296,10 +316,20 @@ impl Split {
                 rows: Some(rows),
                 cols: 0..full[1],
                 full,
+                segments: 1,
             }
         };
+        // Row-parallel sums in S segments on every rank count: S/P each
+        // (one at P = S), or 1 where P does not divide S (then the sums are
+        // not one process's; see `crate::segments`).
+        let s = crate::segments::sum_segments(c);
+        let segments = if s.is_multiple_of(p) { s / p } else { 1 };
         if p == 1 {
-            return Keep::whole(full, stored_rows);
+            let mut k = Keep::whole(full, stored_rows);
+            if matches!(role, Role::O | Role::Down) {
+                k.segments = segments;
+            }
+            return k;
         }
         let hd = c.head_dim;
         match role {
@@ -319,12 +349,14 @@ impl Split {
                     rows: stored_rows,
                     cols: h.start * hd..h.end * hd,
                     full,
+                    segments,
                 }
             }
             Role::Down => Keep {
                 rows: stored_rows,
                 cols: part(c.intermediate_size, r, p),
                 full,
+                segments,
             },
             Role::Head => match self.head {
                 HeadSplit::Replicated => Keep::whole(full, stored_rows),
@@ -464,6 +496,7 @@ mod tests {
             rows: Some(vec![2, 0]),
             cols: 1..3,
             full: [3, 4],
+            segments: 1,
         };
         assert_eq!(k.take(&w), Some(vec![9.0, 10.0, 1.0, 2.0]));
         assert_eq!(k.take(&w[..11]), None);

@@ -78,6 +78,21 @@ impl Sampler {
         Ok(s)
     }
 
+    /// Where a sampler with `params` stands once it has sampled `tokens`
+    /// tokens from its start: [`Sampler::sample`] takes one draw per token
+    /// unless greedy. A worker continuing a request whose tokens another
+    /// worker sampled resumes from here (it has the tokens, not the
+    /// sampler).
+    pub fn state_after(params: &SamplingParams, tokens: usize) -> SamplerState {
+        SamplerState {
+            seed: params.seed.unwrap_or(0),
+            draws: match params.temperature == 0.0 {
+                true => 0,
+                false => tokens as u64,
+            },
+        }
+    }
+
     pub fn state(&self) -> SamplerState {
         SamplerState {
             seed: self.params.seed.unwrap_or(0),

@@ -23,6 +23,7 @@ use common::batch::BatchModel;
 use common::ModelInfo;
 use p04_transformer::Tokenizer;
 use p05_kv_cache::generate::{GenerateParams, Sequence};
+use p05_kv_cache::sampling::Sampler;
 
 use crate::contiguous::ContiguousStorage;
 use crate::kv_backend::{ContiguousKv, KvBackend};
@@ -139,6 +140,12 @@ pub struct NewRequest<'r, C> {
     pub prompt: &'r [u32],
     pub params: &'r GenerateParams,
     pub salt: &'r [u8],
+    /// Tokens this request generated already, elsewhere (a request
+    /// migrated from a lost worker: the client has them). Empty for a new
+    /// request. The sequence continues after them: prompt and output are
+    /// computed as one prefill, as after a preemption, and its sampler
+    /// stands where it would after sampling them. One choice only.
+    pub output: &'r [u32],
     /// One id and client per choice (`n`): the first computes the prompt;
     /// when it samples its first token, the others fork its K/V (shared
     /// blocks on a paged backend) and sample from the same logits, choice
@@ -242,9 +249,10 @@ impl<'a, B: KvBackend, R: ModelRunner, C> EngineCore<'a, B, R, C> {
             prompt,
             params,
             salt,
+            output,
             choices,
         } = req;
-        let checked = self.check_new(prompt, params, &choices);
+        let checked = self.check_new(prompt, output, params, &choices);
         let (seq, children) = match checked {
             Ok(Some(x)) => x,
             Ok(None) => return Ok(Some(choices)),
@@ -270,7 +278,7 @@ impl<'a, B: KvBackend, R: ModelRunner, C> EngineCore<'a, B, R, C> {
         // Checked by `check_new`: it cannot be refused here.
         let _ = self
             .scheduler
-            .add(parent, prompt.len(), max_len, capacity, data);
+            .add(parent, prompt.len() + output.len(), max_len, capacity, data);
         Ok(None)
     }
 
@@ -279,13 +287,23 @@ impl<'a, B: KvBackend, R: ModelRunner, C> EngineCore<'a, B, R, C> {
     fn check_new(
         &self,
         prompt: &[u32],
+        output: &[u32],
         params: &GenerateParams,
         choices: &[(SeqId, C)],
     ) -> Result<Option<(Sequence, Vec<Sequence>)>, AddError> {
         let Some(((parent, _), others)) = choices.split_first() else {
             return Ok(None);
         };
-        let seq = Sequence::new::<std::convert::Infallible>(&self.info, prompt, params)?;
+        let seq = match output.is_empty() {
+            true => Sequence::new::<std::convert::Infallible>(&self.info, prompt, params)?,
+            false if !others.is_empty() => return Err(AddError::Continued),
+            false => {
+                let at = Sampler::state_after(&params.sampling, output.len());
+                Sequence::resume::<std::convert::Infallible>(
+                    &self.info, prompt, output, params, at, self.tok,
+                )?
+            }
+        };
         if seq.is_finished() {
             return Ok(None);
         }
@@ -624,6 +642,7 @@ impl<B: KvBackend, R: ModelRunner> EngineCore<'_, B, R, ()> {
             prompt,
             params,
             salt,
+            output: &[],
             choices: ids.iter().map(|&id| (id, ())).collect(),
         };
         match self.submit(req) {

@@ -297,6 +297,7 @@ fn intake<B: KvBackend, R: ModelRunner>(
         prompt: &job.prompt,
         params: &job.params,
         salt: &job.salt,
+        output: &[],
         choices,
     };
     let (event, clients) = match core.submit(req) {
@@ -309,26 +310,30 @@ fn intake<B: KvBackend, R: ModelRunner>(
             },
             clients,
         ),
-        Err((e, clients)) => {
-            let err = match e {
-                AddError::Request(e) => engine_error(e),
-                // Only a sequence too long for the cache is the
-                // request's fault (its prompt + max_tokens); the
-                // others are this engine's bugs or settings.
-                AddError::Scheduler(e @ SchedulerError::TooLong { .. }) => {
-                    EngineError::InvalidRequest {
-                        message: e.to_string(),
-                        param: Some("max_tokens".into()),
-                    }
-                }
-                AddError::Scheduler(e) => EngineError::Internal(e.to_string()),
-            };
-            (EngineEvent::Error(err), clients)
-        }
+        Err((e, clients)) => (EngineEvent::Error(add_error(e)), clients),
     };
     gauges.waiting.fetch_sub(n, Ordering::SeqCst);
     for (_, c) in clients {
         let _ = c.events.send(event.clone());
+    }
+}
+
+/// Why a request was refused at admission, as the API says it: a request
+/// too long for the cache or with bad settings is the request's fault
+/// (400, naming the field); the others are this engine's bugs or
+/// settings (500). Every engine front on the core maps errors here.
+pub fn add_error(e: AddError) -> EngineError {
+    match e {
+        AddError::Request(e) => engine_error(e),
+        AddError::Scheduler(e @ SchedulerError::TooLong { .. }) => EngineError::InvalidRequest {
+            message: e.to_string(),
+            param: Some("max_tokens".into()),
+        },
+        AddError::Continued => EngineError::InvalidRequest {
+            message: e.to_string(),
+            param: Some("n".into()),
+        },
+        AddError::Scheduler(e) => EngineError::Internal(e.to_string()),
     }
 }
 

@@ -16,6 +16,9 @@ pub enum AddError {
     /// It could not run even alone in the K/V memory, or its id is taken.
     #[error(transparent)]
     Scheduler(#[from] SchedulerError),
+    /// A request continued after tokens generated elsewhere has one choice.
+    #[error("a request continued after its generated tokens takes one choice (n = 1)")]
+    Continued,
 }
 
 /// A sequence that sampled in this step.

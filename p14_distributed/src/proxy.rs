@@ -18,15 +18,22 @@
 //! Failures: a prefill worker that cannot be reached is passed over for
 //! the next; with none left the decode worker recomputes the prompt. A
 //! decode worker lost before its stream started is replaced (the next
-//! one pulls the K/V if it is still held, or recomputes); one lost after
-//! ends the stream with an error (its tokens cannot be taken back).
+//! one pulls the K/V if it is still held, or recomputes). One lost after
+//! (its connection reset, its stream cut, or silent past
+//! [`CHUNK_GAP`]) costs the client nothing: the proxy owns the request
+//! and the ids of every token it streamed, so it **migrates** it: the
+//! prompt and those tokens go through a prefill again (prefix-cached
+//! where a worker still holds the prompt), the sampler standing where it
+//! would after them, and another decode worker continues with the next
+//! token: the same tokens as an uncut run, none lost, none repeated
+//! (NVIDIA Dynamo's request migration).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use common::engine::{
-    Engine, EngineError, EngineEvent, EngineLoad, EngineRequest, EngineStream, TokenOut,
+    Engine, EngineError, EngineEvent, EngineLoad, EngineRequest, EngineStream,
 };
 use futures_util::StreamExt;
 use p06_server::input::InputProcessor;
@@ -37,8 +44,20 @@ use crate::registry::{Role, View};
 use crate::routing::{Basis, Board};
 use crate::wire::{
     finish_from, DecodeOrder, LoadFailurePolicy, PrefillReply, TransferHandle, WireEvent,
-    WirePrepared,
+    WirePrepared, WireToken,
 };
+
+/// Most times one request moves on after losing its decode worker
+/// mid-stream.
+pub const MAX_MIGRATIONS: usize = 3;
+
+/// A decode worker's answer must start (its headers) within this.
+pub const HEADERS_WAIT: Duration = Duration::from_secs(10);
+
+/// A decode worker silent this long mid-stream (no event and no keepalive,
+/// which come every 5 s) is taken as lost: a worker stopped inside its
+/// lease, or a link gone without a reset.
+pub const CHUNK_GAP: Duration = Duration::from_secs(15);
 
 /// Counters for `/metrics`.
 #[derive(Debug, Default)]
@@ -46,6 +65,8 @@ pub struct ProxyStats {
     pub requests: AtomicU64,
     pub prefill_retries: AtomicU64,
     pub decode_retries: AtomicU64,
+    /// Requests moved to another decode worker mid-stream.
+    pub migrated: AtomicU64,
     /// Requests whose prompt the decode worker recomputed.
     pub recomputed: AtomicU64,
     /// Requests that went straight to a decode worker (no prefill worker).
@@ -205,6 +226,7 @@ impl Engine for Proxy {
             ("p14_proxy_requests_total", &s.requests),
             ("p14_proxy_prefill_retries_total", &s.prefill_retries),
             ("p14_proxy_decode_retries_total", &s.decode_retries),
+            ("p14_proxy_migrated_total", &s.migrated),
             ("p14_proxy_recomputed_total", &s.recomputed),
             ("p14_proxy_no_prefill_total", &s.no_prefill),
             ("p14_proxy_kv_transfer_bytes_total", &s.kv_bytes),
@@ -276,20 +298,53 @@ impl Trip {
         let _ = self.events.send(EngineEvent::Error(e));
     }
 
-    async fn run(self, prep: WirePrepared) {
+    /// The request from its prompt to its last token, moved on (at most
+    /// [`MAX_MIGRATIONS`] times) when a decode worker is lost mid-stream.
+    async fn run(self, mut prep: WirePrepared) {
         let _live = Live(self.stats.clone());
-        let (reply, counted) = match self.prefill(&prep).await {
+        // The ids of the tokens the client has, in order.
+        let mut sent: Vec<u32> = Vec::new();
+        let mut moves = 0;
+        loop {
+            let cut = match self.attempt(&prep, &mut sent).await {
+                Ok(()) => return,
+                Err(cut) => cut,
+            };
+            if self.events.is_closed() {
+                return;
+            }
+            if moves == MAX_MIGRATIONS {
+                return self.error(EngineError::Internal(format!(
+                    "{cut}; moved {moves} times already, not again"
+                )));
+            }
+            moves += 1;
+            self.stats.migrated.fetch_add(1, Ordering::SeqCst);
+            eprintln!(
+                "proxy {}: {cut}; continuing after its {} tokens elsewhere",
+                self.id,
+                sent.len()
+            );
+            prep.output = sent.clone();
+        }
+    }
+
+    /// One pass: prefill (of the prompt and the tokens `sent` so far),
+    /// then decode; Err when the stream was cut after it started (the
+    /// request can move on from `sent`).
+    async fn attempt(&self, prep: &WirePrepared, sent: &mut Vec<u32>) -> Result<(), String> {
+        let (reply, counted) = match self.prefill(prep).await {
             Some((r, c)) => (Some(r), c),
             None => (None, self.uncounted()),
         };
         match reply {
             Some(PrefillReply::Transfer { first, handle, .. }) => {
-                self.decode(prep, Some(handle), Some(first.into()), counted)
+                self.decode(prep, Some(handle), Some(first), counted, sent)
                     .await
             }
             // Streamed: the decode worker sends the first token on.
             Some(PrefillReply::Started { handle }) => {
-                self.decode(prep, Some(handle), None, counted).await
+                self.decode(prep, Some(handle), None, counted, sent).await
             }
             Some(PrefillReply::Finished {
                 first,
@@ -298,6 +353,7 @@ impl Trip {
                 completion_tokens,
             }) => {
                 if let Some(t) = first {
+                    sent.push(t.id);
                     let _ = self.events.send(EngineEvent::Token(t.into()));
                 }
                 let _ = self.events.send(EngineEvent::Done {
@@ -305,11 +361,15 @@ impl Trip {
                     prompt_tokens,
                     completion_tokens,
                 });
+                Ok(())
             }
-            Some(PrefillReply::Error(e)) => self.error(e.into()),
+            Some(PrefillReply::Error(e)) => {
+                self.error(e.into());
+                Ok(())
+            }
             None => {
                 self.stats.no_prefill.fetch_add(1, Ordering::SeqCst);
-                self.decode(prep, None, None, counted).await
+                self.decode(prep, None, None, counted, sent).await
             }
         }
     }
@@ -371,13 +431,16 @@ impl Trip {
         }
     }
 
+    /// Decode on one worker after another until the stream starts; Err
+    /// when it is cut after that (see [`Trip::run`]).
     async fn decode(
         &self,
-        prepared: WirePrepared,
+        prepared: &WirePrepared,
         handle: Option<TransferHandle>,
-        first: Option<TokenOut>,
+        first: Option<WireToken>,
         mut counted: Counted,
-    ) {
+        sent: &mut Vec<u32>,
+    ) -> Result<(), String> {
         let mut tried: Vec<String> = Vec::new();
         let mut policy = self.policy;
         let since = std::time::Instant::now();
@@ -393,28 +456,27 @@ impl Trip {
                     true => "no decode worker is registered".to_string(),
                     false => format!("every decode worker failed ({})", tried.join(", ")),
                 };
-                return self.error(EngineError::Unavailable(why));
+                self.error(EngineError::Unavailable(why));
+                return Ok(());
             };
             self.count(basis);
             let order = DecodeOrder {
                 request_id: self.id.clone(),
                 prepared: prepared.clone(),
                 handle: handle.clone(),
-                already_sent: first.is_some() as usize,
+                already_sent: prepared.output.len() + first.is_some() as usize,
                 policy,
             };
             self.board.begin(&w.id);
             let r = self
-                .stream_from(&w.http, &order, first.clone(), &mut counted)
+                .stream_from(&w.http, &order, first.clone(), &mut counted, sent)
                 .await;
             self.board.end(&w.id);
             match r {
-                Ok(()) => return,
+                Ok(()) => return Ok(()),
                 Err(Lost::Started(why)) => {
-                    return self.error(EngineError::Internal(format!(
-                        "decode worker {} was lost mid-stream: {why}",
-                        w.id
-                    )))
+                    self.board.mark_suspect(&w.id);
+                    return Err(format!("decode worker {} was lost mid-stream: {why}", w.id));
                 }
                 Err(Lost::BeforeStart(why)) => {
                     eprintln!(
@@ -432,21 +494,26 @@ impl Trip {
         }
     }
 
-    /// Relay one decode worker's stream to the client.
+    /// Relay one decode worker's stream to the client, each token's id
+    /// into `sent`.
     async fn stream_from(
         &self,
         base: &str,
         order: &DecodeOrder,
-        mut first: Option<TokenOut>,
+        mut first: Option<WireToken>,
         counted: &mut Counted,
+        sent: &mut Vec<u32>,
     ) -> Result<(), Lost> {
-        let r = self
-            .http
-            .post(format!("{base}/decode"))
-            .json(order)
-            .send()
-            .await
-            .map_err(|e| Lost::BeforeStart(e.to_string()))?;
+        let post = self.http.post(format!("{base}/decode")).json(order).send();
+        let r = match tokio::time::timeout(HEADERS_WAIT, post).await {
+            Ok(r) => r.map_err(|e| Lost::BeforeStart(e.to_string()))?,
+            Err(_) => {
+                return Err(Lost::BeforeStart(format!(
+                    "no answer in {} s",
+                    HEADERS_WAIT.as_secs()
+                )))
+            }
+        };
         if !r.status().is_success() {
             return Err(Lost::BeforeStart(format!("status {}", r.status())));
         }
@@ -458,13 +525,14 @@ impl Trip {
             false => Lost::BeforeStart(why),
         };
         loop {
-            // A decode worker that goes silent this long (no event and no
-            // keepalive, which come every 5 s) is taken as lost.
-            let chunk = match tokio::time::timeout(Duration::from_secs(120), body.next()).await {
+            let chunk = match tokio::time::timeout(CHUNK_GAP, body.next()).await {
                 Ok(Some(Ok(c))) => c,
                 Ok(Some(Err(e))) => return Err(lost(started, e.to_string())),
                 Ok(None) => return Err(lost(started, "its stream ended early".into())),
-                Err(_) => return Err(lost(started, "nothing heard for 120 s".into())),
+                Err(_) => {
+                    let why = format!("nothing heard for {} s", CHUNK_GAP.as_secs());
+                    return Err(lost(started, why));
+                }
             };
             buf.extend_from_slice(&chunk);
             while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
@@ -492,10 +560,12 @@ impl Trip {
                             .kv_bytes
                             .fetch_add(kv_bytes as u64, Ordering::SeqCst);
                         if let Some(t) = first.take() {
-                            let _ = self.events.send(EngineEvent::Token(t));
+                            sent.push(t.id);
+                            let _ = self.events.send(EngineEvent::Token(t.into()));
                         }
                     }
                     WireEvent::Token(t) => {
+                        sent.push(t.id);
                         let _ = self.events.send(EngineEvent::Token(t.into()));
                     }
                     WireEvent::Done {

@@ -5,7 +5,7 @@
 //! ([`crate::protocol`]).
 
 use common::engine::{
-    EngineError, EngineEvent, EngineRequest, PromptInput, SamplingParams, TokenLogprob, TokenOut,
+    EngineError, EngineRequest, PromptInput, SamplingParams, TokenLogprob, TokenOut,
 };
 use common::openai::ChatMessage;
 use common::Finish;
@@ -128,11 +128,18 @@ pub struct WirePrepared {
     pub min_tokens: usize,
     pub logprobs: Option<usize>,
     pub salt: Vec<u8>,
+    /// Tokens already streamed to the client by a worker since lost (a
+    /// migrated request): the prefill computes prompt and these, the
+    /// sampler stands where it would after them, and what is sampled next
+    /// is the token after them. Empty for a new request.
+    #[serde(default)]
+    pub output: Vec<u32>,
 }
 
 impl WirePrepared {
     pub fn new(prompt: Vec<u32>, p: &GenerateParams, salt: Vec<u8>) -> WirePrepared {
         WirePrepared {
+            output: Vec::new(),
             prompt,
             max_tokens: p.max_tokens,
             sampling: (&p.sampling).into(),
@@ -143,6 +150,14 @@ impl WirePrepared {
             logprobs: p.logprobs,
             salt,
         }
+    }
+
+    /// Prompt then output: the positions a prefill of this request
+    /// computes, and its K/V transfer holds.
+    pub fn computed_tokens(&self) -> Vec<u32> {
+        let mut t = self.prompt.clone();
+        t.extend_from_slice(&self.output);
+        t
     }
 
     pub fn params(&self) -> GenerateParams {
@@ -167,6 +182,9 @@ pub struct WireLogprob {
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct WireToken {
+    /// The token's id: the proxy keeps the ids it streamed, to continue
+    /// the request elsewhere if its worker is lost.
+    pub id: u32,
     pub text: String,
     pub logprob: Option<WireLogprob>,
     pub top_logprobs: Vec<WireLogprob>,
@@ -188,9 +206,11 @@ fn lp_from(l: WireLogprob) -> TokenLogprob {
     }
 }
 
-impl From<&TokenOut> for WireToken {
-    fn from(t: &TokenOut) -> Self {
+impl WireToken {
+    /// Token `id` as the engine put it out.
+    pub fn new(id: u32, t: &TokenOut) -> Self {
         WireToken {
+            id,
             text: t.text.clone(),
             logprob: t.logprob.as_ref().map(lp_to),
             top_logprobs: t.top_logprobs.iter().map(lp_to).collect(),
@@ -283,24 +303,6 @@ pub fn finish_from(s: &str) -> Finish {
         "stop" => Finish::Stop,
         "length" => Finish::Length,
         _ => Finish::Abort,
-    }
-}
-
-impl WireEvent {
-    pub fn from_engine(e: &EngineEvent) -> WireEvent {
-        match e {
-            EngineEvent::Token(t) => WireEvent::Token(t.into()),
-            EngineEvent::Done {
-                finish,
-                prompt_tokens,
-                completion_tokens,
-            } => WireEvent::Done {
-                finish: finish.as_str().into(),
-                prompt_tokens: *prompt_tokens,
-                completion_tokens: *completion_tokens,
-            },
-            EngineEvent::Error(e) => WireEvent::Error(e.into()),
-        }
     }
 }
 

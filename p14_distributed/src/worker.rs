@@ -26,10 +26,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use common::batch::BatchModel;
-use common::engine::{EngineError, EngineEvent};
+use common::engine::EngineError;
 use p04_transformer::Tokenizer;
-use p06_server::serial::{engine_error, token_out};
-use p08_continuous::core::AddError;
+use p06_server::serial::token_out;
+use p08_continuous::engine::add_error;
 use p08_continuous::kv_backend::KvBackend;
 use p08_continuous::kv_transfer::KvLease;
 use p08_continuous::output::StepOutput;
@@ -315,9 +315,11 @@ impl<M: BatchModel> Thread<'_, M> {
                     kv_bytes: 0,
                     pull_s: 0.0,
                 });
+                // A continued request samples after its output: of what the
+                // client has, only what comes after that is sampled again.
                 let client = Client::Stream {
                     events: events.clone(),
-                    skip,
+                    skip: skip.saturating_sub(prep.output.len()),
                 };
                 if let Err((e, c)) = self.submit(&prep, client) {
                     fail(c, e);
@@ -347,6 +349,7 @@ impl<M: BatchModel> Thread<'_, M> {
             prompt: &prep.prompt,
             params: &params,
             salt: &prep.salt,
+            output: &prep.output,
             choices: vec![(id, client)],
         };
         match self.core.submit(req) {
@@ -359,14 +362,7 @@ impl<M: BatchModel> Thread<'_, M> {
             }
             Err((e, mut c)) => {
                 let (_, client) = c.pop().expect("one choice");
-                let err = match e {
-                    AddError::Request(e) => engine_error(e),
-                    e => EngineError::InvalidRequest {
-                        message: e.to_string(),
-                        param: Some("max_tokens".into()),
-                    },
-                };
-                Err((err, client))
+                Err((add_error(e), client))
             }
         }
     }
@@ -385,7 +381,9 @@ impl<M: BatchModel> Thread<'_, M> {
             }
         }
         for o in out.outputs {
-            let token = o.is_token.then(|| token_out(self.tok, &o.step));
+            let token = o
+                .is_token
+                .then(|| WireToken::new(o.step.token, &token_out(self.tok, &o.step)));
             if let Some(c) = retired.remove(&o.id) {
                 // Finished this step.
                 let finish = o.step.finish.map_or("abort", |f| f.as_str());
@@ -394,7 +392,7 @@ impl<M: BatchModel> Thread<'_, M> {
                         // Streamed: the decode worker gets the whole answer
                         // in the trailer and imports nothing.
                         let meta = SeqMeta {
-                            first: token.as_ref().map(Into::into),
+                            first: token.clone(),
                             finish: Some(finish.into()),
                             prompt_tokens: o.prompt_tokens,
                             completion_tokens: o.completion_tokens,
@@ -404,7 +402,7 @@ impl<M: BatchModel> Thread<'_, M> {
                     }
                     Client::Prefill { reply: Some(r), .. } => {
                         let _ = r.send(PrefillReply::Finished {
-                            first: token.as_ref().map(Into::into),
+                            first: token.clone(),
                             finish: finish.into(),
                             prompt_tokens: o.prompt_tokens,
                             completion_tokens: o.completion_tokens,
@@ -412,10 +410,9 @@ impl<M: BatchModel> Thread<'_, M> {
                     }
                     Client::Prefill { reply: None, .. } => {}
                     Client::Stream { events, skip } => {
-                        if let Some(t) = &token {
+                        if let Some(t) = token {
                             if skip == 0 {
-                                let _ = events
-                                    .send(WireEvent::from_engine(&EngineEvent::Token(t.clone())));
+                                let _ = events.send(WireEvent::Token(t));
                             }
                         }
                         let _ = events.send(WireEvent::Done {
@@ -436,7 +433,7 @@ impl<M: BatchModel> Thread<'_, M> {
                         if *skip > 0 {
                             *skip -= 1;
                         } else {
-                            let _ = events.send(WireEvent::Token((&t).into()));
+                            let _ = events.send(WireEvent::Token(t));
                         }
                     }
                 }
@@ -454,7 +451,7 @@ impl<M: BatchModel> Thread<'_, M> {
     /// A prefill's first token is out: hand the sequence off (export and
     /// hold it; or, streamed, end its live transfer with the sequence's
     /// state), drop it here (its blocks free at once), answer.
-    fn hand_off(&mut self, id: SeqId, first: Option<common::engine::TokenOut>) {
+    fn hand_off(&mut self, id: SeqId, first: Option<WireToken>) {
         let streamed = matches!(
             self.core.client(id),
             Some(Client::Prefill { live: Some(_), .. })
@@ -488,14 +485,14 @@ impl<M: BatchModel> Thread<'_, M> {
             .unwrap_or_else(|e| e.into_inner())
             .extend(hashes);
         let started = started.unwrap_or(arrival);
-        let first: WireToken = first.as_ref().map_or(
-            WireToken {
-                text: String::new(),
-                logprob: None,
-                top_logprobs: vec![],
-            },
-            Into::into,
-        );
+        // A sequence handed off has sampled a token that joins its output
+        // (a stop token would have ended it); the stand-in is never sent.
+        let first: WireToken = first.unwrap_or_else(|| WireToken {
+            id: state.output.last().copied().unwrap_or(0),
+            text: String::new(),
+            logprob: None,
+            top_logprobs: vec![],
+        });
         let mut meta = SeqMeta {
             output: state.output.clone(),
             sampler_seed: state.sampler.seed,

@@ -89,12 +89,15 @@ pub(crate) fn pull_then_submit(
             events: events.clone(),
         }),
         Some(h)
-            if h.tokens == 0 || h.tokens != prepared.prompt.len() || h.tokens > ctx.capacity =>
+            if h.tokens == 0
+                || h.tokens != prepared.prompt.len() + prepared.output.len()
+                || h.tokens > ctx.capacity =>
         {
             failed(format!(
-                "the transfer holds {} positions for a prompt of {}; this worker takes 1 to {}",
+                "the transfer holds {} positions for a prompt of {} and {} tokens sampled before; this worker takes 1 to {}",
                 h.tokens,
                 prepared.prompt.len(),
+                prepared.output.len(),
                 ctx.capacity
             ))
         }
@@ -102,8 +105,9 @@ pub(crate) fn pull_then_submit(
             // The blocks first: this worker's own, lent by its model thread
             // (a kept buffer when none are free now); then the bytes.
             let max_len = prepared.prompt.len().saturating_add(prepared.max_tokens);
+            let computed = prepared.computed_tokens();
             let reserved = match ctx.land_in {
-                LandIn::Blocks => Reserved::ask(jobs, &prepared.prompt, max_len, ctx.pull_timeout),
+                LandIn::Blocks => Reserved::ask(jobs, &computed, max_len, ctx.pull_timeout),
                 LandIn::Buffer => None,
             };
             let mut dest = match reserved {
