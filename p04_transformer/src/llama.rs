@@ -9,8 +9,8 @@ use common::Tensor;
 
 use crate::error::ModelError;
 use crate::model_file::GgufFile;
-use crate::segments::Segmented;
 pub use crate::proj::{F32Weights, LinearWeights, Proj, ProjLoader};
+use crate::segments::Segmented;
 pub use crate::split::{HeadSplit, Keep, Role, Split, SplitError};
 use crate::weights::{HfDir, Source};
 

@@ -132,7 +132,11 @@ impl LinearWeights for Segmented {
         y: &mut [f32],
         threads: usize,
     ) -> Result<(), ModelError> {
-        let (s, w, out) = (self.parts.len(), self.parts[0].in_features(), self.out_features());
+        let (s, w, out) = (
+            self.parts.len(),
+            self.parts[0].in_features(),
+            self.out_features(),
+        );
         let inp = w * s;
         if Some(x.len()) != rows.checked_mul(inp) || Some(y.len()) != rows.checked_mul(out) {
             return Err(ModelError::Shape {
@@ -146,7 +150,12 @@ impl LinearWeights for Segmented {
         let (xs, ps) = &mut *guard;
         xs.resize(rows * w, 0.0);
         ps.resize(s * rows * out, 0.0);
-        for (k, (part, p)) in self.parts.iter().zip(ps.chunks_exact_mut(rows * out)).enumerate() {
+        for (k, (part, p)) in self
+            .parts
+            .iter()
+            .zip(ps.chunks_exact_mut(rows * out))
+            .enumerate()
+        {
             // x_k (rows, in/S): columns k·w .. (k+1)·w of every row.
             for (dst, src) in xs.chunks_exact_mut(w).zip(x.chunks_exact(inp)) {
                 dst.copy_from_slice(&src[k * w..][..w]);
@@ -225,8 +234,12 @@ mod tests {
     #[test]
     fn segmented_equals_the_whole_product_within_rounding_and_its_fold_exactly() {
         let (out, inp, rows, s) = (6, 96, 5, 3);
-        let w: Vec<f32> = (0..out * inp).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
-        let x: Vec<f32> = (0..rows * inp).map(|i| ((i * 13 % 29) as f32 - 14.0) / 3.0).collect();
+        let w: Vec<f32> = (0..out * inp)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let x: Vec<f32> = (0..rows * inp)
+            .map(|i| ((i * 13 % 29) as f32 - 14.0) / 3.0)
+            .collect();
         let seg = inp / s;
         let part = |k: usize| {
             let cols: Vec<f32> = w

@@ -27,6 +27,7 @@ pub mod proxy;
 pub mod proxy_serve;
 pub mod registry;
 pub mod routing;
+pub mod supervise;
 pub mod tap;
 pub mod wire;
 pub mod worker;

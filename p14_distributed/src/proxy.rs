@@ -32,15 +32,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::engine::{
-    Engine, EngineError, EngineEvent, EngineLoad, EngineRequest, EngineStream,
-};
+use common::engine::{Engine, EngineError, EngineEvent, EngineLoad, EngineRequest, EngineStream};
 use futures_util::StreamExt;
 use p06_server::input::InputProcessor;
 use p09_kv_manager::prefix_hash::{block_hashes, Xxh3BlockHasher};
 use tokio::sync::mpsc;
 
-use crate::registry::{Role, View};
+use crate::registry::{Role, View, WorkerRecord};
 use crate::routing::{Basis, Board};
 use crate::wire::{
     finish_from, DecodeOrder, LoadFailurePolicy, PrefillReply, TransferHandle, WireEvent,
@@ -55,9 +53,15 @@ pub const MAX_MIGRATIONS: usize = 3;
 pub const HEADERS_WAIT: Duration = Duration::from_secs(10);
 
 /// A decode worker silent this long mid-stream (no event and no keepalive,
-/// which come every 5 s) is taken as lost: a worker stopped inside its
-/// lease, or a link gone without a reset.
+/// which come every second) is taken as lost: a link gone without a
+/// reset, a worker wedged inside its lease.
 pub const CHUNK_GAP: Duration = Duration::from_secs(15);
+
+/// A decode worker whose etcd lease is gone (it left the view) and that
+/// has been silent this long is taken as lost: a stopped process. One
+/// that left the registry to drain keeps streaming (and its keepalives
+/// come every second), so it is not cut.
+pub const LEASE_GONE_GAP: Duration = Duration::from_secs(3);
 
 /// Counters for `/metrics`.
 #[derive(Debug, Default)]
@@ -275,6 +279,11 @@ impl Drop for Counted {
     }
 }
 
+/// One process of a worker: its id and its endpoint.
+fn instance(w: &WorkerRecord) -> String {
+    format!("{}@{}", w.id, w.http)
+}
+
 /// Why a decode attempt ended without a result.
 enum Lost {
     /// Before `admitted`: another worker may take the request.
@@ -445,13 +454,19 @@ impl Trip {
         let mut policy = self.policy;
         let since = std::time::Instant::now();
         loop {
-            let workers = self.view.workers(Role::Decode);
-            let untried = workers.iter().any(|w| !tried.contains(&w.id));
-            if !untried && since.elapsed() < self.worker_wait {
+            // Tried by instance: a worker restarted under its old id is
+            // another process, worth a try.
+            let workers: Vec<WorkerRecord> = self
+                .view
+                .workers(Role::Decode)
+                .into_iter()
+                .filter(|w| !tried.contains(&instance(w)))
+                .collect();
+            if workers.is_empty() && since.elapsed() < self.worker_wait {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
-            let Some((w, basis)) = self.board.pick_decode(&workers, &tried) else {
+            let Some((w, basis)) = self.board.pick_decode(&workers, &[]) else {
                 let why = match tried.is_empty() {
                     true => "no decode worker is registered".to_string(),
                     false => format!("every decode worker failed ({})", tried.join(", ")),
@@ -469,7 +484,7 @@ impl Trip {
             };
             self.board.begin(&w.id);
             let r = self
-                .stream_from(&w.http, &order, first.clone(), &mut counted, sent)
+                .stream_from(&w, &order, first.clone(), &mut counted, sent)
                 .await;
             self.board.end(&w.id);
             match r {
@@ -485,7 +500,7 @@ impl Trip {
                     );
                     self.stats.decode_retries.fetch_add(1, Ordering::SeqCst);
                     self.board.mark_suspect(&w.id);
-                    tried.push(w.id);
+                    tried.push(instance(&w));
                     // The K/V may be gone with the pull; the next worker
                     // recomputes if the prefill's copy is.
                     policy = LoadFailurePolicy::Recompute;
@@ -498,13 +513,17 @@ impl Trip {
     /// into `sent`.
     async fn stream_from(
         &self,
-        base: &str,
+        w: &WorkerRecord,
         order: &DecodeOrder,
         mut first: Option<WireToken>,
         counted: &mut Counted,
         sent: &mut Vec<u32>,
     ) -> Result<(), Lost> {
-        let post = self.http.post(format!("{base}/decode")).json(order).send();
+        let post = self
+            .http
+            .post(format!("{}/decode", w.http))
+            .json(order)
+            .send();
         let r = match tokio::time::timeout(HEADERS_WAIT, post).await {
             Ok(r) => r.map_err(|e| Lost::BeforeStart(e.to_string()))?,
             Err(_) => {
@@ -524,16 +543,39 @@ impl Trip {
             true => Lost::Started(why),
             false => Lost::BeforeStart(why),
         };
+        let mut heard = std::time::Instant::now();
         loop {
-            let chunk = match tokio::time::timeout(CHUNK_GAP, body.next()).await {
+            let next = tokio::select! {
+                n = tokio::time::timeout(Duration::from_millis(500), body.next()) => n,
+                // The client left: dropping the body cancels the decode.
+                _ = self.events.closed() => return Ok(()),
+            };
+            let chunk = match next {
                 Ok(Some(Ok(c))) => c,
                 Ok(Some(Err(e))) => return Err(lost(started, e.to_string())),
                 Ok(None) => return Err(lost(started, "its stream ended early".into())),
                 Err(_) => {
-                    let why = format!("nothing heard for {} s", CHUNK_GAP.as_secs());
-                    return Err(lost(started, why));
+                    let silent = heard.elapsed();
+                    // (A replacement under the same id is another process.)
+                    let leased = self
+                        .view
+                        .workers(Role::Decode)
+                        .iter()
+                        .any(|r| r.id == w.id && r.pid == w.pid && r.http == w.http);
+                    if silent >= CHUNK_GAP || (!leased && silent >= LEASE_GONE_GAP) {
+                        let why = match leased {
+                            true => format!("nothing heard for {} s", silent.as_secs()),
+                            false => format!(
+                                "its lease is gone and nothing heard for {} s",
+                                silent.as_secs()
+                            ),
+                        };
+                        return Err(lost(started, why));
+                    }
+                    continue;
                 }
             };
+            heard = std::time::Instant::now();
             buf.extend_from_slice(&chunk);
             while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
                 let line: Vec<u8> = buf.drain(..=nl).collect();

@@ -19,6 +19,7 @@ use crate::etcd::Etcd;
 use crate::proxy::Proxy;
 use crate::registry::{self, Role, View};
 use crate::routing::Board;
+use crate::supervise::{Supervisor, WorkerSpec};
 use crate::wire::LoadFailurePolicy;
 
 #[derive(Clone, Debug, Args)]
@@ -182,14 +183,19 @@ pub struct UpArgs {
     /// Extra arguments for the decode workers only (e.g. "--cpu 1").
     #[arg(long, allow_hyphen_values = true, default_value = "")]
     pub decode_args: String,
+    /// Seconds a request waits for a decode worker when none is
+    /// registered (the only one being restarted) before it fails with 503.
+    #[arg(long, default_value_t = 30)]
+    pub worker_wait_s: u64,
 }
 
-/// What `up` started (kept alive while it serves).
+/// What `up` started (kept alive while it serves; its workers restarted
+/// when they die).
 #[derive(Debug)]
 pub struct Cluster {
     pub etcd: Option<EtcdCluster>,
     pub nats: Option<Nats>,
-    pub workers: Vec<Proc>,
+    pub workers: Supervisor,
     pub etcd_urls: Vec<String>,
     pub nats_url: String,
 }
@@ -226,13 +232,14 @@ pub fn start_cluster(a: &UpArgs) -> anyhow::Result<Cluster> {
             spec.push((role, format!("{}-{i}", role.as_str()), args));
         }
     }
-    let workers = start_workers(
+    let specs = worker_specs(
         &a.listen.model,
         a.weights,
         (&etcd_urls, &nats_url),
         a.kv_cache_mib,
         &spec,
-    )?;
+    );
+    let workers = Supervisor::start(std::env::current_exe()?, specs)?;
     let c = Cluster {
         etcd,
         nats,
@@ -244,36 +251,56 @@ pub fn start_cluster(a: &UpArgs) -> anyhow::Result<Cluster> {
     Ok(c)
 }
 
-/// Start workers of this binary: for each of `spec`, its role, id and
-/// extra arguments; all on `model` with `weights`, following etcd at
-/// `urls.0` and NATS at `urls.1`.
-pub fn start_workers(
+/// The command lines of workers of this binary: for each of `spec`, its
+/// role, id and extra arguments; all on `model` with `weights`, following
+/// etcd at `urls.0` and NATS at `urls.1`.
+pub fn worker_specs(
     model: &str,
     weights: crate::worker_serve::Weights,
     (etcd, nats): (&[String], &str),
     kv_cache_mib: usize,
     spec: &[(Role, String, Vec<String>)],
+) -> Vec<WorkerSpec> {
+    spec.iter()
+        .map(|(role, id, extra)| {
+            let mut args: Vec<String> = vec![
+                "--model".into(),
+                model.into(),
+                "--weights".into(),
+                format!("{weights:?}").to_lowercase(),
+                "--etcd".into(),
+                etcd.join(","),
+                "--nats".into(),
+                nats.into(),
+                "--id".into(),
+                id.clone(),
+                "--kv-cache-mib".into(),
+                kv_cache_mib.to_string(),
+            ];
+            args.extend(extra.iter().cloned());
+            WorkerSpec {
+                role: *role,
+                id: id.clone(),
+                args,
+            }
+        })
+        .collect()
+}
+
+/// Start the workers of [`worker_specs`] once, unsupervised (the benches:
+/// a worker that dies there is a failed run).
+pub fn start_workers(
+    model: &str,
+    weights: crate::worker_serve::Weights,
+    urls: (&[String], &str),
+    kv_cache_mib: usize,
+    spec: &[(Role, String, Vec<String>)],
 ) -> anyhow::Result<Vec<Proc>> {
     let exe = std::env::current_exe()?;
     let mut workers = Vec::new();
-    for (role, id, extra) in spec {
-        let mut args: Vec<String> = vec![
-            "--model".into(),
-            model.into(),
-            "--weights".into(),
-            format!("{weights:?}").to_lowercase(),
-            "--etcd".into(),
-            etcd.join(","),
-            "--nats".into(),
-            nats.into(),
-            "--id".into(),
-            id.clone(),
-            "--kv-cache-mib".into(),
-            kv_cache_mib.to_string(),
-        ];
-        args.extend(extra.iter().cloned());
-        let (p, url) = cluster::start_worker(&exe, role.as_str(), &args)?;
-        eprintln!("{} worker {id} at {url}", role.as_str());
+    for w in worker_specs(model, weights, urls, kv_cache_mib, spec) {
+        let (p, url) = cluster::start_worker(&exe, w.role.as_str(), &w.args)?;
+        eprintln!("{} worker {} at {url}", w.role.as_str(), w.id);
         workers.push(p);
     }
     Ok(workers)
@@ -312,7 +339,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
         namespace: None,
         kv_load_failure_policy: a.kv_load_failure_policy,
         layerwise: a.layerwise,
-        worker_wait_s: 30,
+        worker_wait_s: a.worker_wait_s,
     };
     eprintln!(
         "up: {} prefill, {} decode; etcd {:?}, NATS {}; proxy on {}:{}",

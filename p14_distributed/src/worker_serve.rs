@@ -422,13 +422,13 @@ async fn decode(
 }
 
 /// How often a decode stream with nothing to say says so.
-const KEEPALIVE: Duration = Duration::from_secs(5);
+const KEEPALIVE: Duration = Duration::from_secs(1);
 
 fn tokio_stream_lines(
     rx: mpsc::UnboundedReceiver<WireEvent>,
 ) -> impl futures_util::Stream<Item = Result<Vec<u8>, std::io::Error>> {
     futures_util::stream::unfold(rx, |mut rx| async move {
-        // A blank line every few seconds while nothing happens (a streamed
+        // A blank line every second while nothing happens (a streamed
         // prefill still queued on the prefill worker): the proxy's deadline
         // on this stream is for a silent worker, not a slow prompt.
         let line = match tokio::time::timeout(KEEPALIVE, rx.recv()).await {
