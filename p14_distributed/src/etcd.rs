@@ -391,20 +391,22 @@ impl Etcd {
         let mut last_rev = revision;
         let mut errors = String::new();
         for ep in &self.endpoints {
-            let resp = match self
-                .http
-                .post(format!("{ep}/v3/watch"))
-                .json(&body)
-                .send()
-                .await
-            {
-                Ok(r) if r.status().is_success() => r,
-                Ok(r) => {
+            // The stream's headers within the client's deadline (a member
+            // that accepts and never answers is passed over), then each
+            // chunk within `idle`.
+            let send = self.http.post(format!("{ep}/v3/watch")).json(&body).send();
+            let resp = match tokio::time::timeout(self.timeout, send).await {
+                Ok(Ok(r)) if r.status().is_success() => r,
+                Ok(Ok(r)) => {
                     errors = format!("{ep}: {}", r.status());
                     continue;
                 }
-                Err(e) => {
+                Ok(Err(e)) => {
                     errors = format!("{ep}: {e}");
+                    continue;
+                }
+                Err(_) => {
+                    errors = format!("{ep}: no answer to the watch in {:?}", self.timeout);
                     continue;
                 }
             };

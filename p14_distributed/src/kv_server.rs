@@ -51,6 +51,25 @@ pub struct ServerStats {
     pub acked: AtomicU64,
     pub expired: AtomicU64,
     pub refused: AtomicU64,
+    /// Pulls being served now, each on a thread of its own.
+    pub connections: AtomicUsize,
+    /// Connections closed at once because [`MAX_CONNECTIONS`] were open.
+    pub turned_away: AtomicU64,
+}
+
+/// Pulls served at once: a pull is a thread and a socket, and a decode
+/// worker makes one per prompt, so more than this many at once is a storm
+/// (or an attack), not a load; the one over it is closed at once and its
+/// puller fails over to its policy (recompute or fail).
+pub const MAX_CONNECTIONS: usize = 64;
+
+/// Counts a connection open until its thread ends.
+struct Open<'a>(&'a AtomicUsize);
+
+impl Drop for Open<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Fault injection for the fault tests (off in normal runs).
@@ -103,14 +122,27 @@ impl KvServer {
             .spawn(move || {
                 for conn in listener.incoming() {
                     let Ok(conn) = conn else { continue };
-                    let s = s.clone();
-                    let _ = std::thread::Builder::new()
-                        .name("kv-send".into())
-                        .spawn(move || {
-                            if let Err(e) = s.serve(conn) {
-                                eprintln!("kv server: {e}");
-                            }
-                        });
+                    let open = s.stats.connections.fetch_add(1, Ordering::SeqCst);
+                    if open >= MAX_CONNECTIONS {
+                        s.stats.connections.fetch_sub(1, Ordering::SeqCst);
+                        s.stats.turned_away.fetch_add(1, Ordering::SeqCst);
+                        drop(conn);
+                        continue;
+                    }
+                    let mine = s.clone();
+                    let spawned =
+                        std::thread::Builder::new()
+                            .name("kv-send".into())
+                            .spawn(move || {
+                                let _open = Open(&mine.stats.connections);
+                                if let Err(e) = mine.serve(conn) {
+                                    eprintln!("kv server: {e}");
+                                }
+                            });
+                    if spawned.is_err() {
+                        // The closure (and its count) never ran.
+                        s.stats.connections.fetch_sub(1, Ordering::SeqCst);
+                    }
                 }
             })
             .ok();

@@ -9,6 +9,8 @@ pub mod bench_hosts;
 #[cfg(feature = "bench")]
 pub mod bench_itl;
 #[cfg(feature = "bench")]
+pub mod bench_migrate;
+#[cfg(feature = "bench")]
 pub mod bench_ratios;
 #[cfg(feature = "bench")]
 pub mod bench_transfer;

@@ -5,6 +5,7 @@
 //!   cargo run --release -p p14_distributed -- decode  --etcd http://192.0.2.1:2379 --host 192.0.2.3
 //!   cargo run --release -p p14_distributed -- proxy   --etcd http://192.0.2.1:2379 --port 8000
 //!   cargo run --release -p p14_distributed -- bench-transfer
+//!   cargo run --release -p p14_distributed -- bench-migrate
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -41,6 +42,9 @@ enum Cmd {
     /// Prefill and decode workers on two hosts (network namespaces, shaped links): TTFT split, and sending K/V against recomputing it.
     BenchHosts(p14_distributed::bench_hosts::HostsArgs),
     #[cfg(feature = "bench")]
+    /// A decode worker SIGKILLed mid-stream, 1P2D: the pause the client sees until the migrated request's next token, against recomputing it from nothing; every migrated stream checked against an uncut run.
+    BenchMigrate(p14_distributed::bench_migrate::MigrateArgs),
+    #[cfg(feature = "bench")]
     /// Goodput at a TTFT and TPOT SLO for P:D ratios 1P1D, 2P1D, 1P2D against the co-located engine, one Poisson load.
     BenchRatios(p14_distributed::bench_ratios::RatiosArgs),
 }
@@ -62,6 +66,8 @@ fn main() -> Result<()> {
         Cmd::BenchHosts(a) => p14_distributed::bench_hosts::run(&a),
         #[cfg(feature = "bench")]
         Cmd::BenchRatios(a) => p14_distributed::bench_ratios::run(&a),
+        #[cfg(feature = "bench")]
+        Cmd::BenchMigrate(a) => p14_distributed::bench_migrate::run(&a),
     }
 }
 

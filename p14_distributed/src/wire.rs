@@ -1,13 +1,11 @@
 //! The JSON the proxy and the workers' control endpoints exchange: a
-//! request (the engine seam's, as data), a prefill's result, a decode
-//! order, and the events a decode worker streams back (one JSON object
+//! prepared request (tokens and every generation setting: the proxy
+//! tokenized it, chat template and chat ending included), a prefill's
+//! result, a decode order, and the events a decode worker streams back (one JSON object
 //! per line). The K/V itself never travels here: it has its own protocol
 //! ([`crate::protocol`]).
 
-use common::engine::{
-    EngineError, EngineRequest, PromptInput, SamplingParams, TokenLogprob, TokenOut,
-};
-use common::openai::ChatMessage;
+use common::engine::{EngineError, SamplingParams, TokenLogprob, TokenOut};
 use common::Finish;
 use p05_kv_cache::generate::GenerateParams;
 use serde::{Deserialize, Serialize};
@@ -45,71 +43,6 @@ impl From<&WireSampling> for SamplingParams {
             min_p: s.min_p,
             repetition_penalty: s.repetition_penalty,
             seed: s.seed,
-        }
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub enum WirePrompt {
-    Text(String),
-    Tokens(Vec<u32>),
-    Chat(Vec<ChatMessage>),
-}
-
-/// [`EngineRequest`] as JSON: what the proxy sends a prefill worker.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct WireRequest {
-    pub id: String,
-    pub prompt: WirePrompt,
-    pub max_tokens: Option<usize>,
-    pub sampling: WireSampling,
-    pub stop: Vec<String>,
-    pub ignore_eos: bool,
-    pub min_tokens: usize,
-    pub logprobs: Option<usize>,
-    pub cache_salt: Option<String>,
-}
-
-impl From<&EngineRequest> for WireRequest {
-    fn from(r: &EngineRequest) -> Self {
-        WireRequest {
-            id: r.id.clone(),
-            prompt: match &r.prompt {
-                PromptInput::Text(t) => WirePrompt::Text(t.clone()),
-                PromptInput::Tokens(t) => WirePrompt::Tokens(t.clone()),
-                PromptInput::Chat(m) => WirePrompt::Chat(m.clone()),
-            },
-            max_tokens: r.max_tokens,
-            sampling: (&r.sampling).into(),
-            stop: r.stop.clone(),
-            ignore_eos: r.ignore_eos,
-            min_tokens: r.min_tokens,
-            logprobs: r.logprobs,
-            cache_salt: r.cache_salt.clone(),
-        }
-    }
-}
-
-impl From<WireRequest> for EngineRequest {
-    fn from(w: WireRequest) -> Self {
-        EngineRequest {
-            id: w.id,
-            prompt: match w.prompt {
-                WirePrompt::Text(t) => PromptInput::Text(t),
-                WirePrompt::Tokens(t) => PromptInput::Tokens(t),
-                WirePrompt::Chat(m) => PromptInput::Chat(m),
-            },
-            max_tokens: w.max_tokens,
-            sampling: (&w.sampling).into(),
-            stop: w.stop,
-            ignore_eos: w.ignore_eos,
-            min_tokens: w.min_tokens,
-            logprobs: w.logprobs,
-            n: 1,
-            cache_salt: w.cache_salt,
-            chat_end: common::engine::ChatEnd::Open,
         }
     }
 }

@@ -464,6 +464,8 @@ async fn stats(State(ctx): State<Ctx>) -> Json<serde_json::Value> {
         v["transfers_acked"] = json!(st.acked.load(Ordering::SeqCst));
         v["transfers_expired"] = json!(st.expired.load(Ordering::SeqCst));
         v["transfers_refused"] = json!(st.refused.load(Ordering::SeqCst));
+        v["kv_connections"] = json!(st.connections.load(Ordering::SeqCst));
+        v["kv_connections_turned_away"] = json!(st.turned_away.load(Ordering::SeqCst));
     }
     Json(v)
 }

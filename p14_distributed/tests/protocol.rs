@@ -430,3 +430,62 @@ fn a_failed_live_transfer_reaches_its_puller_as_the_senders_reason() {
         "{e:?}"
     );
 }
+
+#[test]
+fn a_storm_of_connections_is_bounded_and_the_server_serves_after_it() {
+    use p14_distributed::kv_server::{Faults, KvServer, MAX_CONNECTIONS};
+    use std::io::Read;
+    use std::sync::atomic::Ordering;
+    use std::time::{Duration, Instant};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let server = KvServer::start(
+        listener,
+        addr.clone(),
+        7,
+        layout(),
+        Duration::from_secs(10),
+        Faults::default(),
+    );
+    let until = |what: &str, ok: &dyn Fn() -> bool| {
+        let t0 = Instant::now();
+        while !ok() {
+            assert!(t0.elapsed() < Duration::from_secs(5), "{what}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    // Silent peers: each holds a connection (and its thread) until its
+    // read deadline.
+    let idle: Vec<_> = (0..MAX_CONNECTIONS)
+        .map(|_| std::net::TcpStream::connect(&addr).unwrap())
+        .collect();
+    until("every silent peer counted", &|| {
+        server.stats.connections.load(Ordering::SeqCst) == MAX_CONNECTIONS
+    });
+    // One more is closed at once: no thread, no wait.
+    let mut extra = std::net::TcpStream::connect(&addr).unwrap();
+    extra
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut b = [0u8; 1];
+    assert_eq!(extra.read(&mut b).unwrap_or(0), 0, "closed, not served");
+    assert_eq!(server.stats.turned_away.load(Ordering::SeqCst), 1);
+    // The storm gone, their threads end and a pull is served again.
+    drop(idle);
+    until("every silent peer's thread ended", &|| {
+        server.stats.connections.load(Ordering::SeqCst) == 0
+    });
+    let prompt = [1, 2, 3];
+    let hash = prompt_hash(&prompt);
+    let id = server.hold(buffer(prompt.len()), hash, Vec::new());
+    let handle = p14_distributed::wire::TransferHandle {
+        kv_addr: addr,
+        transfer_id: id,
+        prompt_hash: hash,
+        tokens: prompt.len(),
+        lease_ms: 10_000,
+    };
+    let mut dst = KvBuffer::zeros(layout(), prompt.len());
+    p14_distributed::kv_client::pull(&handle, &mut dst, 7, Duration::from_secs(5))
+        .expect("served after the storm");
+}

@@ -61,6 +61,16 @@ pub enum Weights {
     Native,
 }
 
+/// The most replicas one deployment may ask for: a controller tick plans
+/// every replica, so the bound keeps a tick short whatever a spec says
+/// (a node holds a few replicas of this model; 256 is past any cluster
+/// this platform drives).
+pub const MAX_REPLICAS: u32 = 256;
+
+/// The most prefill or decode workers one replica of a split deployment
+/// may ask for.
+pub const MAX_WORKERS_PER_ROLE: u32 = 16;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Replicas {
@@ -355,6 +365,9 @@ impl ModelDeployment {
         if r.max == 0 {
             return bad("replicas.max", "must be at least 1".into());
         }
+        if r.max > MAX_REPLICAS {
+            return bad("replicas.max", format!("{}: at most {MAX_REPLICAS}", r.max));
+        }
         if r.min > r.max {
             return bad(
                 "replicas.min",
@@ -403,6 +416,11 @@ impl ModelDeployment {
             }
             if decode == 0 {
                 return bad("roles.decode", "must be at least 1".into());
+            }
+            for (field, n) in [("roles.prefill", prefill), ("roles.decode", decode)] {
+                if n > MAX_WORKERS_PER_ROLE {
+                    return bad(field, format!("{n}: at most {MAX_WORKERS_PER_ROLE}"));
+                }
             }
             if self.autoscaling.metric != Metric::Concurrency {
                 return bad(

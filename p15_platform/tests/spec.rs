@@ -138,6 +138,14 @@ fn values_out_of_range_are_refused_with_the_field_named() {
             with("replicas:", "replicas: {min: 5, max: 4}"),
             "replicas.min",
         ),
+        (
+            with("replicas:", "replicas: {min: 0, max: 257}"),
+            "replicas.max",
+        ),
+        (
+            with("replicas:", "replicas: {min: 4000000000, max: 4000000000}"),
+            "replicas.max",
+        ),
         (with("target:", "  target: 0"), "autoscaling.target"),
         (with("target:", "  target: -2"), "autoscaling.target"),
         (with("target:", "  target: .nan"), "autoscaling.target"),
@@ -180,6 +188,10 @@ fn values_out_of_range_are_refused_with_the_field_named() {
         (
             with("roles:", "roles: {prefill: 1, decode: 0}"),
             "roles.decode",
+        ),
+        (
+            with("roles:", "roles: {prefill: 17, decode: 1}"),
+            "roles.prefill",
         ),
         (
             // A split deployment's proxies report requests in flight only.
