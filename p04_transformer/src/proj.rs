@@ -53,7 +53,30 @@ pub trait LinearWeights: Send + Sync + fmt::Debug {
     ) -> Result<(), ModelError> {
         apply_each(self, others, x, rows, ys, threads)
     }
+
+    /// A row-parallel projection in S column segments
+    /// ([`crate::segments::Segmented`]), self segment 0 and `others` the
+    /// rest: partials[j] (rows, out) = x_j · segment_jᵀ, x_j being columns
+    /// j·in..(j+1)·in of x (rows, S·in), then y (rows, out) their fold in
+    /// the all-reduce's order. None (the default): no fused path here, and
+    /// the caller runs each segment on its own; a format may do all S in
+    /// one dispatch (Project 10), giving the same bits.
+    fn apply_segments(
+        &self,
+        _others: &[&dyn LinearWeights],
+        _x: &[f32],
+        _rows: usize,
+        _partials: &mut [f32],
+        _y: &mut [f32],
+        _threads: usize,
+    ) -> Unfused {
+        None
+    }
 }
+
+/// What [`LinearWeights::apply_segments`] returns when the format has no
+/// fused path: the caller runs the segments one by one.
+pub type Unfused = Option<Result<(), ModelError>>;
 
 /// [`LinearWeights::apply_group`] one projection at a time.
 pub fn apply_each<W: LinearWeights + ?Sized>(

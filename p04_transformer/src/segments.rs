@@ -33,7 +33,7 @@ use std::sync::Mutex;
 
 use crate::error::ModelError;
 use crate::llama::LlamaConfig;
-use crate::proj::LinearWeights;
+use crate::proj::{LinearWeights, MAX_GROUP};
 
 /// Columns a segment is a whole number of (GGUF's block width), so a
 /// segment of quantised weights is whole blocks.
@@ -148,8 +148,20 @@ impl LinearWeights for Segmented {
         }
         let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let (xs, ps) = &mut *guard;
-        xs.resize(rows * w, 0.0);
         ps.resize(s * rows * out, 0.0);
+        // The format's fused path, where it has one (the same bits).
+        if (2..=MAX_GROUP).contains(&s) {
+            let mut others = [self.parts[0].as_ref(); MAX_GROUP - 1];
+            for (o, p) in others.iter_mut().zip(&self.parts[1..]) {
+                *o = p.as_ref();
+            }
+            let fused = self.parts[0].apply_segments(&others[..s - 1], x, rows, ps, y, threads);
+            if let Some(r) = fused {
+                return r;
+            }
+        }
+        // The reference: each segment its own product, then the fold.
+        xs.resize(rows * w, 0.0);
         for (k, (part, p)) in self
             .parts
             .iter()

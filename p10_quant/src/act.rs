@@ -109,6 +109,25 @@ impl QRow {
         self.blocks(0..self.len())
     }
 
+    /// `src`'s rows of `s·per` blocks regrouped segment by segment:
+    /// segment j's blocks of every row (row-major, `per` each) at
+    /// j·rows·per, so each segment reads as rows of its own (`segments.rs`
+    /// in Project 04).
+    pub(crate) fn regroup_from(&mut self, src: &QRow, segments: usize, per: usize) {
+        let rows = src.len() / (segments * per).max(1);
+        self.codes.clear();
+        self.scales.clear();
+        self.sums.clear();
+        for j in 0..segments {
+            for i in 0..rows {
+                let r = (i * segments + j) * per..(i * segments + j + 1) * per;
+                self.codes.extend_from_slice(&src.codes[r.clone()]);
+                self.scales.extend_from_slice(&src.scales[r.clone()]);
+                self.sums.extend_from_slice(&src.sums[r]);
+            }
+        }
+    }
+
     /// `n` zero blocks, for a quantiser to fill in place.
     pub(crate) fn zeroed(&mut self, n: usize) -> (&mut [[i8; QK]], &mut [[f32; 2]]) {
         self.codes.clear();

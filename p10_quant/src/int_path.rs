@@ -112,7 +112,7 @@ impl QuantMatrix {
             quantiser(dot).quantize(x, format, xq)?;
             let ps: [&Panels; MAX_GROUP] =
                 std::array::from_fn(|j| &mats[j.min(mats.len() - 1)].panels);
-            rows_times(&ps[..mats.len()], outs, xq, m, pool, threads, dot);
+            rows_times(&ps[..mats.len()], outs, (xq, 0), m, pool, threads, dot);
             Ok::<(), GroupError>(())
         })?;
         for (w, y) in mats.iter().zip(ys.iter_mut()) {
@@ -120,6 +120,128 @@ impl QuantMatrix {
         }
         Ok(())
     }
+}
+
+impl QuantMatrix {
+    /// A row-parallel projection held as S column segments (Project 04's
+    /// `segments.rs`), in one dispatch: x (m, S·k) quantised once (its
+    /// blocks are per 32 columns, so a segment's are the same as if it
+    /// were quantised alone), regrouped segment by segment, segment j's
+    /// product over its k columns into partials[j] (m, n), and the S
+    /// partials folded in the all-reduce's order into y (m, n). The same
+    /// kernel calls on the same numbers as S separate products: the same
+    /// bits, one quantisation and one wake-up instead of S.
+    pub fn matmul_int_segments(
+        parts: &[&QuantMatrix],
+        x: &[f32],
+        m: usize,
+        partials: &mut [f32],
+        y: &mut [f32],
+        pool: &Pool,
+        threads: usize,
+    ) -> Result<(), GroupError> {
+        let Some(first) = parts.first() else {
+            return Ok(());
+        };
+        let (s, n, k) = (parts.len(), first.rows, first.cols);
+        let same = |w: &&QuantMatrix| {
+            w.rows == n
+                && w.cols == k
+                && w.dot == first.dot
+                && w.panels.kind() == first.panels.kind()
+                && w.row_scale.is_none()
+                && !w.takes_f32(m)
+        };
+        if s > MAX_GROUP || !parts.iter().all(same) {
+            return Err(GroupError::Mixed);
+        }
+        let sizes = (m.checked_mul(k * s), m.checked_mul(n));
+        if sizes != (Some(x.len()), Some(y.len())) || Some(partials.len()) != m.checked_mul(n * s) {
+            return Err(GroupError::Matrix(MatrixError::Io {
+                m,
+                x: x.len(),
+                y: y.len(),
+                k: k * s,
+                n,
+            }));
+        }
+        let mut outs = [Out {
+            ptr: std::ptr::null_mut(),
+            rows: 0,
+        }; MAX_GROUP];
+        for (o, p) in outs.iter_mut().zip(partials.chunks_exact_mut(m * n)) {
+            *o = Out {
+                ptr: p.as_mut_ptr(),
+                rows: n,
+            };
+        }
+        let dot = first.dot;
+        SCRATCH.with(|sc| {
+            let mut sc = sc.borrow_mut();
+            let Scratch { xq, xs } = &mut *sc;
+            let format = match first.panels.kind() {
+                Kind::Q4_1 => ActFormat::Q8_1,
+                Kind::Q4_0 | Kind::Q8_0 => ActFormat::Q8_0,
+            };
+            quantiser(dot).quantize(x, format, xq)?;
+            xs.regroup_from(xq, s, first.panels.per());
+            let ps: [&Panels; MAX_GROUP] = std::array::from_fn(|j| &parts[j.min(s - 1)].panels);
+            let per_segment = m * first.panels.per();
+            rows_times(
+                &ps[..s],
+                &outs[..s],
+                (xs, per_segment),
+                m,
+                pool,
+                threads,
+                dot,
+            );
+            Ok::<(), GroupError>(())
+        })?;
+        let parts: Vec<&[f32]> = partials.chunks_exact(m * n).collect();
+        p04_transformer::segments::fold_segments(&parts, n, y);
+        Ok(())
+    }
+}
+
+/// [`QuantMatrix::matmul_int_segments`] behind Project 04's seam: None
+/// (run them one by one) unless every segment is a matrix of this one's
+/// format on the integer path.
+pub(crate) fn apply_segments(
+    first: &QuantMatrix,
+    others: &[&dyn p04_transformer::proj::LinearWeights],
+    x: &[f32],
+    rows: usize,
+    (partials, y): (&mut [f32], &mut [f32]),
+    threads: usize,
+) -> p04_transformer::proj::Unfused {
+    if others.len() >= MAX_GROUP || !crate::matrix::fused_groups() {
+        return None;
+    }
+    let mut parts = [first; MAX_GROUP];
+    for (g, o) in parts[1..].iter_mut().zip(others) {
+        *g = o.as_any().downcast_ref::<QuantMatrix>()?;
+    }
+    let parts = &parts[..=others.len()];
+    match QuantMatrix::matmul_int_segments(parts, x, rows, partials, y, Pool::global(), threads) {
+        Err(GroupError::Mixed) => None,
+        Err(GroupError::Matrix(e)) => Some(Err(p04_transformer::error::ModelError::Weights {
+            name: first.format_name().into(),
+            source: Box::new(e),
+        })),
+        Ok(()) => {
+            FUSED_SEGMENT_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Some(Ok(()))
+        }
+    }
+}
+
+static FUSED_SEGMENT_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Row-parallel products this process ran on the fused segments path
+/// (the tests check that the path they compare is the one taken).
+pub fn fused_segment_calls() -> u64 {
+    FUSED_SEGMENT_CALLS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// One output of a group: y_j's pointer and its row count n_j, shared by
@@ -136,12 +258,14 @@ unsafe impl Sync for Out {}
 /// every activation row i. The groups of 16 rows of all matrices are split
 /// across threads as one range 0..Σ groups_j (so the split depends on the
 /// matrices, never on m); each thread makes one tile-kernel call per
-/// matrix over its groups and all of X. (Chunks handed out as threads
+/// matrix over its groups and all of X (matrix j's X starts at block
+/// j·x_step of `xq`: 0 for a group that reads one x, a segment's size for
+/// row-parallel segments). (Chunks handed out as threads
 /// come free balanced no better here and cost batch-1 decode ~20%.)
 fn rows_times(
     ps: &[&Panels],
     outs: &[Out],
-    xq: &QRow,
+    (xq, x_step): (&QRow, usize),
     m: usize,
     pool: &Pool,
     threads: usize,
@@ -150,7 +274,7 @@ fn rows_times(
     let total: usize = ps.iter().map(|p| p.groups()).sum();
     let body = |range: std::ops::Range<usize>| {
         let mut start = 0;
-        for (p, out) in ps.iter().zip(outs) {
+        for (j, (p, out)) in ps.iter().zip(outs).enumerate() {
             // This matrix's groups inside `range`, in its own numbering.
             let lo = range.start.max(start) - start;
             let hi = range.end.min(start + p.groups()).saturating_sub(start);
@@ -163,7 +287,8 @@ fn rows_times(
             // writes columns c0..c1 of its m rows, which no other thread's
             // range covers, and y_j outlives `for_ranges`.
             let y = unsafe { OutRows::from_raw(out.ptr.add(c0), m, c1 - c0, out.rows) };
-            dot.tiles(p, lo..hi, xq.blocks(0..m * p.per()), y);
+            let x0 = j * x_step;
+            dot.tiles(p, lo..hi, xq.blocks(x0..x0 + m * p.per()), y);
         }
     };
     pool.for_ranges(total, threads, &body);
@@ -174,6 +299,8 @@ fn rows_times(
 #[derive(Default)]
 struct Scratch {
     xq: QRow,
+    /// `xq` regrouped segment by segment (row-parallel segments).
+    xs: QRow,
 }
 
 thread_local! {

@@ -489,6 +489,20 @@ impl LinearWeights for QuantMatrix {
         self
     }
 
+    /// Row-parallel segments: one quantisation and one dispatch for all S
+    /// when every segment is a matrix of one format on the integer path.
+    fn apply_segments(
+        &self,
+        others: &[&dyn LinearWeights],
+        x: &[f32],
+        rows: usize,
+        partials: &mut [f32],
+        y: &mut [f32],
+        threads: usize,
+    ) -> p04_transformer::proj::Unfused {
+        crate::int_path::apply_segments(self, others, x, rows, (partials, y), threads)
+    }
+
     /// q/k/v or gate/up of one token: one activation quantisation and one
     /// dispatch for all of them when they are matrices of one format on
     /// the integer path; one by one otherwise.
@@ -534,7 +548,7 @@ pub fn set_fused_groups(on: bool) {
     FUSED_GROUPS.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
-fn fused_groups() -> bool {
+pub(crate) fn fused_groups() -> bool {
     FUSED_GROUPS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
