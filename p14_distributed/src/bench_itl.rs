@@ -44,7 +44,7 @@ pub struct ItlArgs {
 }
 
 /// Distinct token ids (no prefix-cache hit between requests).
-fn tokens(seed: u64, n: usize) -> Vec<u32> {
+pub(crate) fn tokens(seed: u64, n: usize) -> Vec<u32> {
     let mut x = seed
         .wrapping_mul(6364136223846793005)
         .wrapping_add(1442695040888963407);

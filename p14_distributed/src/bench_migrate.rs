@@ -18,6 +18,7 @@ use common::engine::{Engine, EngineEvent, EngineRequest, PromptInput, SamplingPa
 use common::numbers::{command_line, Recorder, Row};
 use common::stats::percentile_sorted;
 
+use crate::bench_itl::tokens;
 use crate::cluster::{EtcdCluster, Nats};
 use crate::proxy::Proxy;
 use crate::proxy_serve;
@@ -43,19 +44,6 @@ pub struct MigrateArgs {
     /// Measure without appending to numbers.md.
     #[arg(long)]
     pub no_record: bool,
-}
-
-/// Distinct token ids for run `seed` (no prefix shared between runs).
-fn tokens(seed: u64, n: usize) -> Vec<u32> {
-    let mut x = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            1000 + ((x >> 33) % 40_000) as u32
-        })
-        .collect()
 }
 
 fn request(id: String, prompt: Vec<u32>, max_tokens: usize) -> EngineRequest {

@@ -316,6 +316,29 @@ fn finish(rxs: Vec<EngineStream>, mut got: Vec<Vec<EngineEvent>>) -> Vec<Vec<Eng
     got
 }
 
+/// `reqs` through the single engine (the reference), then submitted to
+/// the proxy and streamed until each has 4 events: (reference, streams,
+/// events so far).
+fn under_way(
+    rig: &Rig,
+    one: &p08_continuous::ContinuousEngine,
+    reqs: impl Iterator<Item = EngineRequest>,
+) -> (
+    Vec<Vec<EngineEvent>>,
+    Vec<EngineStream>,
+    Vec<Vec<EngineEvent>>,
+) {
+    let reqs: Vec<_> = reqs.collect();
+    let want = reqs.iter().map(|r| collect(one, r.clone())).collect();
+    let mut rxs: Vec<_> = reqs
+        .iter()
+        .map(|r| Engine::submit(&*rig.proxy, r.clone()).expect("submitted"))
+        .collect();
+    let mut got = vec![Vec::new(); rxs.len()];
+    read_until(&mut rxs, &mut got, 4);
+    (want, rxs, got)
+}
+
 fn migrated(rig: &Rig) -> u64 {
     rig.proxy.stats.migrated.load(Ordering::SeqCst)
 }
@@ -347,14 +370,7 @@ fn a_decode_worker_killed_mid_stream_loses_no_request() {
         &[none, none],
         LoadFailurePolicy::Fail,
     );
-    let reqs: Vec<_> = (0..8).map(|i| mixed(i, 40)).collect();
-    let want: Vec<_> = reqs.iter().map(|r| collect(&one, r.clone())).collect();
-    let mut rxs: Vec<_> = reqs
-        .iter()
-        .map(|r| Engine::submit(&*rig.proxy, r.clone()).expect("submitted"))
-        .collect();
-    let mut got = vec![Vec::new(); rxs.len()];
-    read_until(&mut rxs, &mut got, 4);
+    let (want, rxs, got) = under_way(&rig, &one, (0..8).map(|i| mixed(i, 40)));
     let (victim, running) = busiest_decode(&rig);
     assert!(running >= 1, "the victim holds streams");
     rig.workers[victim].proc.kill();
@@ -379,14 +395,7 @@ fn a_decode_worker_stopped_inside_its_lease_is_left_and_its_stream_moves_on() {
     let one = colocated("native");
     let none: &[&str] = &[];
     let rig = rig("native", 1, &[none], &[none, none], LoadFailurePolicy::Fail);
-    let reqs: Vec<_> = (0..2).map(|i| mixed(i, 48)).collect();
-    let want: Vec<_> = reqs.iter().map(|r| collect(&one, r.clone())).collect();
-    let mut rxs: Vec<_> = reqs
-        .iter()
-        .map(|r| Engine::submit(&*rig.proxy, r.clone()).expect("submitted"))
-        .collect();
-    let mut got = vec![Vec::new(); rxs.len()];
-    read_until(&mut rxs, &mut got, 4);
+    let (want, rxs, got) = under_way(&rig, &one, (0..2).map(|i| mixed(i, 48)));
     let (victim, running) = busiest_decode(&rig);
     assert!(running >= 1);
     // Stopped: its socket stays open, no reset comes. Its lease (2 s)

@@ -393,10 +393,9 @@ fn an_abort_says_why_and_a_huge_reason_is_refused() {
     );
 }
 
-#[test]
-fn a_failed_live_transfer_reaches_its_puller_as_the_senders_reason() {
+/// A K/V server on loopback (model id 7, a 10 s lease), and its address.
+fn kv_server() -> (std::sync::Arc<p14_distributed::kv_server::KvServer>, String) {
     use p14_distributed::kv_server::{Faults, KvServer};
-    use p14_distributed::wire::TransferHandle;
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let server = KvServer::start(
@@ -407,6 +406,13 @@ fn a_failed_live_transfer_reaches_its_puller_as_the_senders_reason() {
         std::time::Duration::from_secs(10),
         Faults::default(),
     );
+    (server, addr)
+}
+
+#[test]
+fn a_failed_live_transfer_reaches_its_puller_as_the_senders_reason() {
+    use p14_distributed::wire::TransferHandle;
+    let (server, addr) = kv_server();
     let prompt = [1, 2, 3, 4, 5];
     let (id, live) = server.open_live(prompt.len(), prompt_hash(&prompt));
     let handle = TransferHandle {
@@ -433,20 +439,11 @@ fn a_failed_live_transfer_reaches_its_puller_as_the_senders_reason() {
 
 #[test]
 fn a_storm_of_connections_is_bounded_and_the_server_serves_after_it() {
-    use p14_distributed::kv_server::{Faults, KvServer, MAX_CONNECTIONS};
+    use p14_distributed::kv_server::MAX_CONNECTIONS;
     use std::io::Read;
     use std::sync::atomic::Ordering;
     use std::time::{Duration, Instant};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    let server = KvServer::start(
-        listener,
-        addr.clone(),
-        7,
-        layout(),
-        Duration::from_secs(10),
-        Faults::default(),
-    );
+    let (server, addr) = kv_server();
     let until = |what: &str, ok: &dyn Fn() -> bool| {
         let t0 = Instant::now();
         while !ok() {
