@@ -58,19 +58,25 @@ pub fn sum_segments(c: &LlamaConfig) -> usize {
         .unwrap_or(1)
 }
 
-/// y[i, j] = Σ over s of parts[(j mod S + t) mod S][i, j], t = 0, 1, …,
-/// left to right (S = parts.len(); every part and y are (rows, out)).
-/// The naive reference of the fold is this loop itself.
-pub fn fold_segments(parts: &[&[f32]], out: usize, y: &mut [f32]) {
-    let s = parts.len();
-    if s == 0 || out == 0 {
+/// y[i, j] = Σ over s of partials_{(j mod S + t) mod S}[i, j], t = 0, 1,
+/// …, left to right. `partials` holds the S partials back to back, each
+/// of y's shape (rows, out), so S = partials.len() / y.len() (the
+/// callers' scratch, no allocation). The naive reference of the fold is
+/// this loop itself.
+pub fn fold_segments(partials: &[f32], out: usize, y: &mut [f32]) {
+    let len = y.len();
+    if len == 0 || out == 0 {
+        return;
+    }
+    let s = partials.len() / len;
+    if s == 0 {
         return;
     }
     for (idx, v) in y.iter_mut().enumerate() {
         let c = (idx % out) % s;
-        let mut acc = parts[c][idx];
+        let mut acc = partials[c * len + idx];
         for t in 1..s {
-            acc += parts[(c + t) % s][idx];
+            acc += partials[((c + t) % s) * len + idx];
         }
         *v = acc;
     }
@@ -174,8 +180,7 @@ impl LinearWeights for Segmented {
             }
             part.apply_into(xs, rows, p, threads)?;
         }
-        let parts: Vec<&[f32]> = ps.chunks_exact(rows * out).collect();
-        fold_segments(&parts, out, y);
+        fold_segments(ps, out, y);
         Ok(())
     }
 
@@ -236,7 +241,7 @@ mod tests {
         // Values whose sums round differently by order: 1e8 + 1 - 1e8.
         let (a, b, c) = ([1e8f32, 1.0, 1.0], [1.0f32, -1e8, 1.0], [-1e8f32, 1e8, 1e8]);
         let mut y = [0.0f32; 3];
-        fold_segments(&[&a, &b, &c], 3, &mut y);
+        fold_segments(&[a, b, c].concat(), 3, &mut y);
         // Column 0: (a + b) + c; column 1: (b + c) + a; column 2: (c + a) + b.
         assert_eq!(y[0], (1e8f32 + 1.0) + -1e8);
         assert_eq!(y[1], (-1e8f32 + 1e8) + 1.0);
@@ -274,9 +279,8 @@ mod tests {
                 parts[k].apply(&xk, rows, 1).unwrap()
             })
             .collect();
-        let refs: Vec<&[f32]> = ps.iter().map(Vec::as_slice).collect();
         let mut want = vec![0.0f32; rows * out];
-        fold_segments(&refs, out, &mut want);
+        fold_segments(&ps.concat(), out, &mut want);
         assert_eq!(y, want);
         let whole = Proj::new(&w, out, inp).unwrap().apply(&x, rows, 1).unwrap();
         for (a, b) in y.iter().zip(&whole) {

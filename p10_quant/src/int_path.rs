@@ -102,10 +102,7 @@ impl QuantMatrix {
         SCRATCH.with(|s| {
             let mut s = s.borrow_mut();
             let xq = &mut s.xq;
-            let format = match first.panels.kind() {
-                Kind::Q4_1 => ActFormat::Q8_1,
-                Kind::Q4_0 | Kind::Q8_0 => ActFormat::Q8_0,
-            };
+            let format = act_format(first.panels.kind());
             if mats.iter().any(|w| w.panels.kind() != first.panels.kind()) {
                 return Err(GroupError::Mixed);
             }
@@ -179,11 +176,7 @@ impl QuantMatrix {
         SCRATCH.with(|sc| {
             let mut sc = sc.borrow_mut();
             let Scratch { xq, xs } = &mut *sc;
-            let format = match first.panels.kind() {
-                Kind::Q4_1 => ActFormat::Q8_1,
-                Kind::Q4_0 | Kind::Q8_0 => ActFormat::Q8_0,
-            };
-            quantiser(dot).quantize(x, format, xq)?;
+            quantiser(dot).quantize(x, act_format(first.panels.kind()), xq)?;
             xs.regroup_from(xq, s, first.panels.per());
             let ps: [&Panels; MAX_GROUP] = std::array::from_fn(|j| &parts[j.min(s - 1)].panels);
             let per_segment = m * first.panels.per();
@@ -198,8 +191,7 @@ impl QuantMatrix {
             );
             Ok::<(), GroupError>(())
         })?;
-        let parts: Vec<&[f32]> = partials.chunks_exact(m * n).collect();
-        p04_transformer::segments::fold_segments(&parts, n, y);
+        p04_transformer::segments::fold_segments(partials, n, y);
         Ok(())
     }
 }
@@ -242,6 +234,14 @@ static FUSED_SEGMENT_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::At
 /// (the tests check that the path they compare is the one taken).
 pub fn fused_segment_calls() -> u64 {
     FUSED_SEGMENT_CALLS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The activations' 8-bit format a weight format's kernels read.
+fn act_format(kind: Kind) -> ActFormat {
+    match kind {
+        Kind::Q4_1 => ActFormat::Q8_1,
+        Kind::Q4_0 | Kind::Q8_0 => ActFormat::Q8_0,
+    }
 }
 
 /// One output of a group: y_j's pointer and its row count n_j, shared by

@@ -279,9 +279,10 @@ impl Drop for Counted {
     }
 }
 
-/// One process of a worker: its id and its endpoint.
+/// One process of a worker: its id, endpoint and pid (a worker restarted
+/// under its old id is another instance).
 fn instance(w: &WorkerRecord) -> String {
-    format!("{}@{}", w.id, w.http)
+    format!("{}@{} (pid {})", w.id, w.http, w.pid)
 }
 
 /// Why a decode attempt ended without a result.
@@ -556,12 +557,12 @@ impl Trip {
                 Ok(None) => return Err(lost(started, "its stream ended early".into())),
                 Err(_) => {
                     let silent = heard.elapsed();
-                    // (A replacement under the same id is another process.)
+                    let me = instance(w);
                     let leased = self
                         .view
                         .workers(Role::Decode)
                         .iter()
-                        .any(|r| r.id == w.id && r.pid == w.pid && r.http == w.http);
+                        .any(|r| instance(r) == me);
                     if silent >= CHUNK_GAP || (!leased && silent >= LEASE_GONE_GAP) {
                         let why = match leased {
                             true => format!("nothing heard for {} s", silent.as_secs()),
