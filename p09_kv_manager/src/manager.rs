@@ -19,13 +19,11 @@ use std::collections::HashMap;
 
 use p08_continuous::kv_transfer::KvLayout;
 use p08_continuous::runner::KvOp;
+use p08_continuous::scheduler::SeqId;
 
 use crate::block_pool::{BlockId, BlockPool};
 use crate::block_storage::BlockStorage;
 use crate::prefix_hash::{BlockHasher, Xxh3BlockHasher};
-
-/// A sequence's id, chosen by the caller (the scheduler's).
-pub type SeqId = u64;
 
 #[derive(Debug, Default)]
 struct SeqBlocks {

@@ -7,7 +7,7 @@ fn main() -> anyhow::Result<()> {
     let arg = |i: usize, d: usize| std::env::args().nth(i).map_or(Ok(d), |s| s.parse());
     let (pos, samples) = (arg(1, 64)?, arg(2, 7)?);
     let loaded = if std::env::var("F32").is_ok() {
-        p10_quant::loader::load(&path, false)?
+        p10_quant::loader::load(&path, p10_quant::Weights::F32)?
     } else {
         let f32_rows = std::env::var("F32_ROWS").map_or(Ok(usize::MAX), |s| s.parse())?;
         let w = p10_quant::NativeWeights {

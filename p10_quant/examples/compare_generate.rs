@@ -22,7 +22,7 @@ fn main() -> anyhow::Result<()> {
                 },
             )?
         } else {
-            p10_quant::loader::load(&path, false)?
+            p10_quant::loader::load(&path, p10_quant::Weights::F32)?
         };
         let tok = std::sync::Arc::new(l.tokenizer.unwrap());
         let ids = p04_transformer::PromptBuilder::new(tok.clone())?

@@ -22,7 +22,7 @@ fn main() -> anyhow::Result<()> {
         "fused" => ("one by one", "fused"),
         _ => ("scalar quantiser", "SIMD quantiser"),
     };
-    let loaded = p10_quant::loader::load(&path, true)?;
+    let loaded = p10_quant::loader::load(&path, p10_quant::Weights::Native)?;
     let (mut fused, mut single) = (Vec::new(), Vec::new());
     for _ in 0..rounds {
         for (on, out) in [(false, &mut single), (true, &mut fused)] {

@@ -2,8 +2,11 @@
 fn main() -> anyhow::Result<()> {
     let path =
         common::assets::ensure(common::assets::Asset::SmolLm2).map_err(anyhow::Error::msg)?;
-    let native = std::env::args().nth(1).as_deref() != Some("f32");
-    let loaded = p10_quant::loader::load(&path, native)?;
+    let weights = match std::env::args().nth(1).as_deref() {
+        Some("f32") => p10_quant::Weights::F32,
+        _ => p10_quant::Weights::Native,
+    };
+    let loaded = p10_quant::loader::load(&path, weights)?;
     let t = std::time::Instant::now();
     let mut n = 0;
     while t.elapsed().as_secs_f64() < 8.0 {

@@ -7,7 +7,7 @@ fn main() -> anyhow::Result<()> {
     use p10_quant::{Dot, Isa, NativeWeights};
     let path =
         common::assets::ensure(common::assets::Asset::SmolLm2).map_err(anyhow::Error::msg)?;
-    let f = p10_quant::loader::load(&path, false)?;
+    let f = p10_quant::loader::load(&path, p10_quant::Weights::F32)?;
     let tok = f
         .tokenizer
         .as_ref()

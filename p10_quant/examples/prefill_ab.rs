@@ -7,8 +7,8 @@ fn main() -> anyhow::Result<()> {
         common::assets::ensure(common::assets::Asset::SmolLm2).map_err(anyhow::Error::msg)?;
     let n: usize = std::env::args().nth(1).map_or(Ok(256), |s| s.parse())?;
     let rounds: usize = std::env::args().nth(2).map_or(Ok(3), |s| s.parse())?;
-    let f = p10_quant::loader::load(&path, false)?;
-    let q = p10_quant::loader::load(&path, true)?;
+    let f = p10_quant::loader::load(&path, p10_quant::Weights::F32)?;
+    let q = p10_quant::loader::load(&path, p10_quant::Weights::Native)?;
     // PREFILL_INT=1: also the integer path for every product (8-bit
     // activations, the decode kernels one weight row at a time), the option
     // of not expanding at all.

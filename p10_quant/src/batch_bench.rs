@@ -113,7 +113,7 @@ fn step_of(s: &common::stats::Summary) -> Step {
 /// Part 1, the decode sweep.
 fn decode(a: &BatchArgs, path: &Path, native: &LlamaEngine, rows: &mut Vec<Row>) -> Result<()> {
     let variant = load_native(path, NativeWeights::batch_variant())?;
-    let f32e = load(path, false)?;
+    let f32e = load(path, crate::Weights::F32)?;
     let systems: [(&str, &LlamaEngine); 3] = [
         ("native", native),
         ("native f32-threshold (batch-variant)", &variant.engine),

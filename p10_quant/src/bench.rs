@@ -177,8 +177,8 @@ fn child_rss(model: &str, weights: &str) -> Result<f64> {
 pub fn run(a: &BenchArgs) -> Result<()> {
     let path = p06_server::load::resolve_model(&a.model).map_err(anyhow::Error::msg)?;
     let isa = Dot::detect().isa();
-    let f32m = load(&path, false)?;
-    let nat = load(&path, true)?;
+    let f32m = load(&path, crate::Weights::F32)?;
+    let nat = load(&path, crate::Weights::Native)?;
     let (fe, ne) = (&f32m.engine, &nat.engine);
     let threads = fe.model.threads;
     let mut rows = Vec::new();

@@ -9,7 +9,9 @@
 //!   weight-format seam (`LinearWeights`), on a spinning thread pool
 //!   ([`pool`]);
 //! - [`int8_mlp`]: int8 per output channel for Project 01's MNIST MLP;
-//! - [`loader`]: Project 04's GGUF loader keeping the file's blocks;
+//! - [`loader`]: Project 04's GGUF loader keeping the file's blocks, or
+//!   dequantising them ([`Weights`]); [`serve`]: the flags every server
+//!   loads with, and the README's server;
 //! - [`perplexity`]: PPL, KL divergence and top-1 agreement over a text,
 //!   counted as llama.cpp's `llama-perplexity` counts them; [`study`]
 //!   runs the accuracy studies with it.
@@ -43,12 +45,13 @@ pub mod pool;
 #[cfg(feature = "bench")]
 pub mod seam_bench;
 mod select;
+pub mod serve;
 #[cfg(feature = "bench")]
 pub mod study;
 pub mod tile;
 
 pub use dot::Dot;
 pub use isa::Isa;
-pub use loader::NativeWeights;
+pub use loader::{NativeWeights, Weights};
 pub use matrix::{Blocks, Format, QuantMatrix};
 pub use pool::Pool;

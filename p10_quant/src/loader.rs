@@ -144,13 +144,52 @@ impl ProjLoader for Requantize {
     }
 }
 
-/// A model ready to serve: the GGUF's blocks kept native (`native`), or
-/// everything dequantised to f32 at load as Projects 04–09 do.
-pub fn load(path: &Path, native: bool) -> Result<LoadedEngine> {
-    if native {
-        load_native(path, NativeWeights::detect())
-    } else {
-        p05_kv_cache::load::load(path).with_context(|| format!("loading {}", path.display()))
+/// Which weights a server keeps its projections in.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Weights {
+    /// Dequantise everything to f32 at load (Projects 04–09).
+    F32,
+    /// Keep the GGUF's Q4_0 / Q4_1 / Q8_0 blocks.
+    #[default]
+    Native,
+}
+
+impl Weights {
+    /// The flag's and the spec's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Weights::F32 => "f32",
+            Weights::Native => "native",
+        }
+    }
+}
+
+impl std::fmt::Display for Weights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A model ready to serve: the GGUF's blocks kept native, or everything
+/// dequantised to f32 at load as Projects 04–09 do.
+pub fn load(path: &Path, weights: Weights) -> Result<LoadedEngine> {
+    match weights {
+        Weights::Native => load_native(path, NativeWeights::detect()),
+        Weights::F32 => {
+            p05_kv_cache::load::load(path).with_context(|| format!("loading {}", path.display()))
+        }
     }
 }
 

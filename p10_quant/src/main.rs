@@ -7,10 +7,10 @@
 //!   cargo run --release -p p10_quant -- int8
 //!   cargo run --release -p p10_quant -- isa
 
-use anyhow::{Context, Result};
-use clap::{Args, Parser, Subcommand, ValueEnum};
-use p09_kv_manager::serve::ServeArgs;
-use p10_quant::{Dot, Isa};
+use anyhow::Result;
+use clap::{Args, Parser, Subcommand};
+use p10_quant::serve::ServeArgs;
+use p10_quant::{Dot, Isa, Weights};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -21,13 +21,13 @@ struct Cli {
     #[command(subcommand)]
     cmd: Option<Cmd>,
     #[command(flatten)]
-    serve: Serve,
+    serve: ServeArgs,
 }
 
 #[derive(Debug, Subcommand)]
 enum Cmd {
     /// Serve the OpenAI API (the default).
-    Serve(Serve),
+    Serve(ServeArgs),
     #[cfg(feature = "bench")]
     /// Decode and prefill f32 vs native beside llama.cpp, GEMV bandwidth per format, accuracy.
     Bench(p10_quant::bench::BenchArgs),
@@ -48,29 +48,6 @@ enum Cmd {
     /// Load a model and print its resident memory (the bench runs this).
     #[command(hide = true)]
     Rss(RssArgs),
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Weights {
-    /// Dequantise everything to f32 at load (Projects 04–09).
-    F32,
-    /// Keep the GGUF's Q4_0 / Q4_1 / Q8_0 blocks.
-    Native,
-}
-
-#[derive(Clone, Debug, Args)]
-struct Serve {
-    #[command(flatten)]
-    serve: ServeArgs,
-    /// Weight format of the projections.
-    #[arg(long, value_enum, default_value = "native")]
-    weights: Weights,
-    /// Native weights: products of 16 rows or more (long prompts, large
-    /// batches) on the f32 path. Faster prefill on some machines, but NOT
-    /// batch-invariant: a request's tokens then depend on what shares its
-    /// steps.
-    #[arg(long)]
-    batch_variant_f32_prefill: bool,
 }
 
 #[cfg(feature = "bench")]
@@ -101,8 +78,8 @@ struct RssArgs {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        None => serve(cli.serve),
-        Some(Cmd::Serve(a)) => serve(a),
+        None => p10_quant::serve::run(cli.serve),
+        Some(Cmd::Serve(a)) => p10_quant::serve::run(a),
         #[cfg(feature = "bench")]
         Some(Cmd::Bench(a)) => p10_quant::bench::run(&a),
         #[cfg(feature = "bench")]
@@ -123,38 +100,12 @@ fn main() -> Result<()> {
         }
         Some(Cmd::Rss(a)) => {
             let path = p06_server::load::resolve_model(&a.model)?;
-            let loaded = p10_quant::loader::load(&path, a.weights == Weights::Native)?;
+            let loaded = p10_quant::loader::load(&path, a.weights)?;
             println!("{}", p10_quant::loader::rss_bytes());
             drop(loaded);
             Ok(())
         }
     }
-}
-
-fn serve(a: Serve) -> Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the tokio runtime")?;
-    let native = a.weights == Weights::Native;
-    let w = match a.batch_variant_f32_prefill {
-        true => p10_quant::NativeWeights::batch_variant(),
-        false => p10_quant::NativeWeights::detect(),
-    };
-    if native {
-        let how = match a.batch_variant_f32_prefill {
-            true => "products of 16+ rows in f32: not batch-invariant",
-            false => "every product on the integer kernels: batch-invariant",
-        };
-        eprintln!("native weights, {} kernels, {how}", w.dot.isa());
-    }
-    rt.block_on(p09_kv_manager::serve::serve(
-        a.serve,
-        move |path| match native {
-            true => p10_quant::loader::load_native(path, w),
-            false => p10_quant::loader::load(path, false),
-        },
-    ))
 }
 
 #[cfg(feature = "bench")]
@@ -262,4 +213,15 @@ fn int8(a: &Int8Args) -> Result<()> {
             .append(&rows)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    /// clap's own checks of every subcommand's flags (unique names and
+    /// groups): a clash panics only when the binary starts.
+    #[test]
+    fn the_command_line_is_well_formed() {
+        use clap::CommandFactory;
+        super::Cli::command().debug_assert();
+    }
 }

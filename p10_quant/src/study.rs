@@ -87,7 +87,7 @@ pub fn run(a: &PerplexityArgs) -> Result<()> {
         )
     })?;
     let max_chunks = (a.chunks > 0).then_some(a.chunks);
-    let base = crate::loader::load(&path, false)?;
+    let base = crate::loader::load(&path, crate::Weights::F32)?;
     let tok = base
         .tokenizer
         .as_ref()

@@ -20,8 +20,9 @@ use p09_kv_manager::PagedKv;
 
 use crate::pp::{follow_stage, PpRunner, Stage};
 use crate::runner::{follow, TpRunner};
-use crate::tp::{load_part, load_rank, weight_bytes, Weights};
+use crate::tp::{load_part, load_rank, weight_bytes};
 use crate::{shm, tcp, Algorithm, CommStats, Communicator};
+use p10_quant::Weights;
 
 #[derive(Clone, Debug, Args)]
 pub struct DecodeArgs {

@@ -48,3 +48,14 @@ fn main() -> Result<()> {
         Cmd::BenchLinks(a) => p13_multi_gpu::bench_links::run(&a),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// clap's own checks of every subcommand's flags (unique names and
+    /// groups): a clash panics only when the binary starts.
+    #[test]
+    fn the_command_line_is_well_formed() {
+        use clap::CommandFactory;
+        super::Cli::command().debug_assert();
+    }
+}

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use clap::{Args, ValueEnum};
+use clap::Args;
 use common::batch::BatchModel;
 use p04_transformer::{HeadSplit, Split};
 use p05_kv_cache::load::LoadedEngine;
@@ -38,22 +38,7 @@ use crate::pp::{follow_stage, PpRunner, Stage};
 use crate::runner::{follow, RankError, Recovery, Restart, TpRunner};
 use crate::swap::SwapComm;
 use crate::tcp::{self, TcpLinks};
-use crate::tp::{load_part, load_rank, Weights};
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum WeightsArg {
-    F32,
-    Native,
-}
-
-impl From<WeightsArg> for Weights {
-    fn from(w: WeightsArg) -> Weights {
-        match w {
-            WeightsArg::F32 => Weights::F32,
-            WeightsArg::Native => Weights::Native,
-        }
-    }
-}
+use crate::tp::{load_part, load_rank};
 
 /// What every rank must agree on.
 #[derive(Clone, Debug, Args)]
@@ -66,8 +51,9 @@ pub struct SplitArgs {
     /// SmolLM2's 30); one of --tp and --pp may exceed 1.
     #[arg(long, default_value_t = 1)]
     pub pp: usize,
-    #[arg(long, value_enum, default_value = "native")]
-    pub weights: WeightsArg,
+    /// Project 10's flags: the weights and the kernels.
+    #[command(flatten)]
+    pub load: p10_quant::serve::LoadArgs,
     /// Split the LM head by vocabulary rows (logits all-gathered) instead
     /// of every rank holding all of it.
     #[arg(long)]
@@ -126,6 +112,9 @@ impl SplitArgs {
     }
 
     fn check(&self) -> Result<()> {
+        if self.load.batch_variant_f32_prefill {
+            bail!("--batch-variant-f32-prefill: not built for tensor- or pipeline-parallel ranks (their products stay on the integer kernels, batch-invariant)");
+        }
         if self.tp == 0 || self.pp == 0 || (self.tp > 1 && self.pp > 1) {
             bail!("--tp {} --pp {}: each at least 1, and one of them 1 (tensor and pipeline parallelism together are not built yet)", self.tp, self.pp);
         }
@@ -137,9 +126,9 @@ impl SplitArgs {
         let what = || format!("rank {rank} loading {}", path.display());
         if self.pp > 1 {
             let split = Split::stage(rank, self.pp)?;
-            return load_part(path, self.weights.into(), split, self.threads).with_context(what);
+            return load_part(path, self.load.weights, split, self.threads).with_context(what);
         }
-        load_rank(path, self.weights.into(), self.head(), comm, self.threads).with_context(what)
+        load_rank(path, self.load.weights, self.head(), comm, self.threads).with_context(what)
     }
 
     fn head(&self) -> HeadSplit {
@@ -161,7 +150,7 @@ impl SplitArgs {
             "tp {} pp {} {:?} {:?} block {block_size} kv {kv_mib}",
             self.tp,
             self.pp,
-            self.weights,
+            self.load.weights,
             self.head()
         );
         if model.is_file() {
@@ -393,7 +382,7 @@ fn start_ranks(
             .arg(model)
             .args(["--tp", &split.tp.to_string()])
             .args(["--pp", &split.pp.to_string()])
-            .args(["--weights", &format!("{:?}", split.weights).to_lowercase()])
+            .args(split.load.to_args())
             .args(["--threads", &split.threads.to_string()])
             .args([
                 "--collective-timeout-s",

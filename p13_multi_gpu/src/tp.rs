@@ -31,19 +31,12 @@ use std::sync::{Arc, Mutex};
 
 use p04_transformer::{HeadSplit, LinearWeights, ModelError, Proj, Split};
 use p05_kv_cache::load::LoadedEngine;
+// Native weights: a row-parallel slice of 1536/3 = 512 or 576/3 = 192
+// input columns is 16 or 6 whole blocks of 32, so a rank's blocks are the
+// file's own.
+use p10_quant::Weights;
 
 use crate::comm::Communicator;
-
-/// Which weights a rank keeps its slices in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Weights {
-    /// Every projection dequantised to f32 (Projects 04–09).
-    F32,
-    /// The file's Q4_1/Q8_0 blocks (Project 10); a row-parallel slice of
-    /// 1536/3 = 512 or 576/3 = 192 input columns is 16 or 6 whole blocks of
-    /// 32, so a rank's blocks are the file's own.
-    Native,
-}
 
 fn collective(e: crate::comm::CommError) -> ModelError {
     ModelError::Collective(Box::new(e))

@@ -19,8 +19,9 @@ use p05_kv_cache::generate::GenerateParams;
 use p08_continuous::kv_backend::KvBackend;
 use p08_continuous::{ContinuousConfig, EngineCore};
 use p09_kv_manager::PagedKv;
+use p10_quant::Weights;
 use p13_multi_gpu::pp::{follow_stage, PpRunner, Stage};
-use p13_multi_gpu::tp::{load_part, weight_bytes, Weights};
+use p13_multi_gpu::tp::{load_part, weight_bytes};
 use p13_multi_gpu::Communicator;
 
 const KV_BYTES: usize = 1 << 26;

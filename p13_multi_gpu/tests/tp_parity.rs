@@ -21,7 +21,8 @@ use worlds::{shm_world, tcp_world, threads_world};
 use common::Model;
 use p04_transformer::HeadSplit;
 use p05_kv_cache::llama_engine::LlamaEngine;
-use p13_multi_gpu::tp::{load_rank, weight_bytes, Weights};
+use p10_quant::Weights;
+use p13_multi_gpu::tp::{load_rank, weight_bytes};
 use p13_multi_gpu::Communicator;
 
 const STEPS: usize = 8;
@@ -158,7 +159,7 @@ enum Bar {
 /// threads, TCP and shared memory.
 fn check(path: &Path, weights: Weights, head: HeadSplit, world: usize, prompt: &[u32], bar: Bar) {
     let what = format!("{} {weights:?} {head:?} TP={world}", path.display());
-    let mut whole = p10_quant::loader::load(path, weights == Weights::Native).unwrap();
+    let mut whole = p10_quant::loader::load(path, weights).unwrap();
     let (want_toks, want_logits) = greedy(&whole.engine, prompt);
     let tol = match bar {
         Bar::Exact => 0.0,

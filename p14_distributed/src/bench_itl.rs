@@ -18,7 +18,8 @@ use crate::cluster::{EtcdCluster, Nats};
 use crate::proxy_serve;
 use crate::registry::Role;
 use crate::wire::LoadFailurePolicy;
-use crate::worker_serve::Weights;
+use p10_quant::serve::LoadArgs;
+use p10_quant::Weights;
 
 #[derive(Clone, Debug, Args)]
 pub struct ItlArgs {
@@ -170,7 +171,13 @@ fn disaggregated(a: &ItlArgs, nice: i32, land_in: &str) -> Result<Seen> {
         })
         .collect();
     let workers = (&etcd.urls[..], nats.url.as_str());
-    let _procs = proxy_serve::start_workers("smollm2", Weights::Native, workers, 256, &spec)?;
+    let _procs = proxy_serve::start_workers(
+        "smollm2",
+        LoadArgs::of(Weights::Native),
+        workers,
+        256,
+        &spec,
+    )?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()

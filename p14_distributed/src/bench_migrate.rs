@@ -25,7 +25,8 @@ use crate::proxy_serve;
 use crate::registry::{Role, WorkerRecord};
 use crate::supervise::Supervisor;
 use crate::wire::LoadFailurePolicy;
-use crate::worker_serve::Weights;
+use p10_quant::serve::LoadArgs;
+use p10_quant::Weights;
 
 #[derive(Clone, Debug, Args)]
 pub struct MigrateArgs {
@@ -177,7 +178,8 @@ pub fn run(a: &MigrateArgs) -> Result<()> {
         )
     })
     .collect();
-    let specs = proxy_serve::worker_specs("smollm2", Weights::Native, urls, 256, &spec);
+    let specs =
+        proxy_serve::worker_specs("smollm2", LoadArgs::of(Weights::Native), urls, 256, &spec);
     let _workers = Supervisor::start(std::env::current_exe()?, specs)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)

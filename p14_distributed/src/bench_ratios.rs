@@ -28,7 +28,8 @@ use crate::cluster::{EtcdCluster, Nats};
 use crate::proxy_serve;
 use crate::registry::Role;
 use crate::wire::LoadFailurePolicy;
-use crate::worker_serve::Weights;
+use p10_quant::serve::LoadArgs;
+use p10_quant::Weights;
 
 #[derive(Clone, Debug, Args)]
 pub struct RatiosArgs {
@@ -149,7 +150,8 @@ fn disaggregated(c: &Config, a: &RatiosArgs) -> Result<(Vec<Outcome>, usize)> {
         }
     }
     let urls = (&etcd.urls[..], nats.url.as_str());
-    let _procs = proxy_serve::start_workers("smollm2", Weights::Native, urls, 256, &spec)?;
+    let _procs =
+        proxy_serve::start_workers("smollm2", LoadArgs::of(Weights::Native), urls, 256, &spec)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()

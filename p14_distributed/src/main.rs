@@ -74,3 +74,14 @@ fn main() -> Result<()> {
 fn worker_serve_up(a: UpArgs) -> Result<()> {
     p14_distributed::proxy_serve::up(a)
 }
+
+#[cfg(test)]
+mod tests {
+    /// clap's own checks of every subcommand's flags (unique names and
+    /// groups): a clash panics only when the binary starts.
+    #[test]
+    fn the_command_line_is_well_formed() {
+        use clap::CommandFactory;
+        super::Cli::command().debug_assert();
+    }
+}

@@ -13,6 +13,7 @@ use p04_transformer::Tokenizer;
 use p06_server::input::InputProcessor;
 use p06_server::routes::AppState;
 use p06_server::server::{self, ListenArgs};
+use p10_quant::serve::LoadArgs;
 
 use crate::cluster::{self, EtcdCluster, Nats, Proc};
 use crate::etcd::Etcd;
@@ -158,8 +159,9 @@ pub struct UpArgs {
     pub decode: usize,
     #[command(flatten)]
     pub listen: ListenArgs,
-    #[arg(long, value_enum, default_value = "native")]
-    pub weights: crate::worker_serve::Weights,
+    /// Project 10's flags, passed to every worker.
+    #[command(flatten)]
+    pub load: LoadArgs,
     /// etcd client URLs; none: start one etcd member here.
     #[arg(long, value_delimiter = ',')]
     pub etcd: Vec<String>,
@@ -234,7 +236,7 @@ pub fn start_cluster(a: &UpArgs) -> anyhow::Result<Cluster> {
     }
     let specs = worker_specs(
         &a.listen.model,
-        a.weights,
+        a.load,
         (&etcd_urls, &nats_url),
         a.kv_cache_mib,
         &spec,
@@ -252,11 +254,11 @@ pub fn start_cluster(a: &UpArgs) -> anyhow::Result<Cluster> {
 }
 
 /// The command lines of workers of this binary: for each of `spec`, its
-/// role, id and extra arguments; all on `model` with `weights`, following
+/// role, id and extra arguments; all on `model` loaded as `load` says, following
 /// etcd at `urls.0` and NATS at `urls.1`.
 pub fn worker_specs(
     model: &str,
-    weights: crate::worker_serve::Weights,
+    load: LoadArgs,
     (etcd, nats): (&[String], &str),
     kv_cache_mib: usize,
     spec: &[(Role, String, Vec<String>)],
@@ -266,8 +268,6 @@ pub fn worker_specs(
             let mut args: Vec<String> = vec![
                 "--model".into(),
                 model.into(),
-                "--weights".into(),
-                format!("{weights:?}").to_lowercase(),
                 "--etcd".into(),
                 etcd.join(","),
                 "--nats".into(),
@@ -277,6 +277,7 @@ pub fn worker_specs(
                 "--kv-cache-mib".into(),
                 kv_cache_mib.to_string(),
             ];
+            args.extend(load.to_args());
             args.extend(extra.iter().cloned());
             WorkerSpec {
                 role: *role,
@@ -291,14 +292,14 @@ pub fn worker_specs(
 /// a worker that dies there is a failed run).
 pub fn start_workers(
     model: &str,
-    weights: crate::worker_serve::Weights,
+    load: LoadArgs,
     urls: (&[String], &str),
     kv_cache_mib: usize,
     spec: &[(Role, String, Vec<String>)],
 ) -> anyhow::Result<Vec<Proc>> {
     let exe = std::env::current_exe()?;
     let mut workers = Vec::new();
-    for w in worker_specs(model, weights, urls, kv_cache_mib, spec) {
+    for w in worker_specs(model, load, urls, kv_cache_mib, spec) {
         let (p, url) = cluster::start_worker(&exe, w.role.as_str(), &w.args)?;
         eprintln!("{} worker {} at {url}", w.role.as_str(), w.id);
         workers.push(p);

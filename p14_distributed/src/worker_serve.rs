@@ -34,6 +34,9 @@ use serde_json::json;
 use tokio::sync::{mpsc, oneshot};
 use xxhash_rust::xxh3::xxh3_64;
 
+use p10_quant::serve::LoadArgs;
+use p10_quant::Weights;
+
 use crate::etcd::Etcd;
 use crate::kv_server::{Faults, KvServer};
 use crate::registry::{self, Role, WorkerRecord};
@@ -42,19 +45,14 @@ use crate::worker::{self, Job, WorkerHandle};
 use crate::worker_pull::pull_then_submit;
 pub use crate::worker_pull::LandIn;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Weights {
-    F32,
-    Native,
-}
-
 #[derive(Clone, Debug, Args)]
 pub struct WorkerArgs {
     /// `smollm2` (fetched on first run) or a .gguf file.
     #[arg(long, default_value = "smollm2")]
     pub model: String,
-    #[arg(long, value_enum, default_value = "native")]
-    pub weights: Weights,
+    /// Project 10's flags: the weights and the kernels.
+    #[command(flatten)]
+    pub load: LoadArgs,
     /// etcd client URLs, comma separated.
     #[arg(long, value_delimiter = ',', required = true)]
     pub etcd: Vec<String>,
@@ -126,10 +124,7 @@ pub fn model_id(path: &Path, weights: Weights) -> anyhow::Result<u64> {
     // changed under a running server is outside what this serves.
     let map =
         unsafe { memmap2::Mmap::map(&f) }.with_context(|| format!("mapping {}", path.display()))?;
-    let tag: &[u8] = match weights {
-        Weights::F32 => b"f32",
-        Weights::Native => b"native",
-    };
+    let tag = weights.as_str().as_bytes();
     Ok(xxh3_64(&map) ^ xxh3_64(tag).rotate_left(1) ^ map.len() as u64)
 }
 
@@ -153,15 +148,6 @@ pub(crate) struct Ctx {
     pub(crate) land_in: LandIn,
 }
 
-fn load(path: &Path, weights: Weights) -> anyhow::Result<p05_kv_cache::load::LoadedEngine> {
-    Ok(match weights {
-        Weights::Native => {
-            p10_quant::loader::load_native(path, p10_quant::NativeWeights::detect())?
-        }
-        Weights::F32 => p10_quant::loader::load(path, false)?,
-    })
-}
-
 /// The co-located engine the disaggregated one is measured and tested
 /// against: the same weights on Project 09's paged K/V (blocks of 16,
 /// prefix caching) under Project 08's continuous batching, in this
@@ -171,7 +157,7 @@ pub fn colocated(
     weights: Weights,
     kv_cache_bytes: usize,
 ) -> anyhow::Result<p08_continuous::ContinuousEngine> {
-    let (engine, tok) = p06_server::load::with_tokenizer(path, load(path, weights)?)?;
+    let (engine, tok) = p06_server::load::with_tokenizer(path, LoadArgs::of(weights).load(path)?)?;
     let config = p08_continuous::ContinuousConfig {
         kv_cache_bytes,
         ..Default::default()
@@ -194,9 +180,9 @@ pub fn run(role: Role, a: WorkerArgs) -> anyhow::Result<()> {
     }
     let path = p06_server::load::resolve_model(&a.model)?;
     let t0 = Instant::now();
-    let loaded = load(&path, a.weights)?;
+    let loaded = a.load.load(&path)?;
     let (engine, tok) = p06_server::load::with_tokenizer(&path, loaded)?;
-    let model_id = model_id(&path, a.weights)?;
+    let model_id = model_id(&path, a.load.weights)?;
     let config = a.sched.config();
     let kv = PagedKv::new(engine.kv_shape(), a.block_size, config.kv_cache_bytes, true)?;
     let layout = kv.manager().layout();

@@ -38,7 +38,6 @@ use p14_distributed::cluster::{free_port, spawn, Proc};
 use p14_distributed::etcd::{Etcd, EtcdError};
 
 use crate::reconcile::Role;
-use crate::spec::Weights;
 use crate::state::{
     assign_key, node_key, server_key, Assignment, NodeRecord, Reported, ServerStatus, ASSIGN,
 };
@@ -208,23 +207,22 @@ impl Agent {
         let out =
             std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
         let err = out.try_clone()?;
-        let weights = match a.weights {
-            Weights::F32 => "f32",
-            Weights::Native => "native",
-        };
+        let load = p10_quant::serve::LoadArgs::of(a.weights).to_args();
         let mut cmd = Command::new(&self.cfg.exe);
         let (host, port) = (self.cfg.host.as_str(), port.to_string());
         let grace = self.cfg.shutdown_grace_s.to_string();
         match a.role {
             Role::Server => {
                 cmd.arg("server")
-                    .args(["--model", &a.model, "--weights", weights])
+                    .args(["--model", &a.model])
+                    .args(&load)
                     .args(["--served-model-name", &a.deployment]);
             }
             // Project 14's processes take their own arguments after `--`.
             Role::Prefill | Role::Decode => {
                 cmd.args([a.role.as_str(), "--"])
-                    .args(["--model", &a.model, "--weights", weights])
+                    .args(["--model", &a.model])
+                    .args(&load)
                     .args(["--id", &a.id, "--namespace", &a.namespace()]);
             }
             Role::Proxy => {

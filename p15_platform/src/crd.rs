@@ -24,7 +24,7 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::spec::{self, SpecError};
+use crate::spec::{self, SpecError, Weights};
 
 #[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
@@ -42,6 +42,7 @@ use crate::spec::{self, SpecError};
 pub struct ModelDeploymentSpec {
     /// A model name the servers resolve (`smollm2`) or a model file.
     pub model: String,
+    #[schemars(schema_with = "weights_schema")]
     pub weights: Weights,
     pub replicas: Replicas,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -53,11 +54,14 @@ pub struct ModelDeploymentSpec {
     pub rollout: Option<Rollout>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum Weights {
-    F32,
-    Native,
+/// Project 10's weights choice, as the schema's string enum.
+fn weights_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    use clap::ValueEnum;
+    let names: Vec<&str> = Weights::value_variants()
+        .iter()
+        .map(|w| w.as_str())
+        .collect();
+    schemars::json_schema!({"type": "string", "enum": names})
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

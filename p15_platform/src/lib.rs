@@ -1,10 +1,12 @@
 //! Project 15: the platform. A declared [`spec::ModelDeployment`] (YAML)
 //! is written to etcd as the desired state ([`store`]); the autoscaler
 //! ([`kpa`], Knative's KPA rules) turns the fleet's load into a replica
-//! count. Node agents ([`agent`]) run the model servers ([`server`]) a
+//! count. Node agents ([`agent`]) run the model servers (Project 10's
+//! `serve`, the README's server) a
 //! leader-elected controller ([`controller`], [`election`]) assigns by
 //! reconciling desired against actual state ([`reconcile`], [`state`]);
-//! the router ([`router`]) follows the endpoints the controller publishes.
+//! the router ([`router`]) follows the endpoints the controller publishes;
+//! [`ops`] is what `apply`, `get`, `delete` and `status` do.
 //! The controller serves a live page ([`dashboard`]); [`demo`] runs it
 //! all on one machine ([`local`], [`clients`]); [`route_bench`] measures
 //! the router's policies, [`scale_bench`] the autoscaler against Ray
@@ -27,13 +29,13 @@ pub mod local;
 #[cfg(feature = "bench")]
 pub mod measure;
 pub mod operator;
+pub mod ops;
 pub mod reconcile;
 #[cfg(feature = "bench")]
 pub mod route_bench;
 pub mod router;
 #[cfg(feature = "bench")]
 pub mod scale_bench;
-pub mod server;
 pub mod spec;
 pub mod state;
 pub mod store;

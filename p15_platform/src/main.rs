@@ -18,11 +18,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand, ValueEnum};
-use p15_platform::spec::{ModelDeployment, Roles};
-use p15_platform::state::Snapshot;
-use p15_platform::store::{Applied, Store};
-use p15_platform::{agent, controller, router, server};
+use clap::{Parser, Subcommand};
+use p15_platform::ops::{self, Format};
+use p15_platform::store::Store;
+use p15_platform::{agent, controller, router};
 
 #[derive(Parser)]
 #[command(about = "Project 15: declared model deployments in etcd, autoscaled")]
@@ -32,12 +31,6 @@ struct Cli {
     etcd: String,
     #[command(subcommand)]
     cmd: Cmd,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum Format {
-    Yaml,
-    Json,
 }
 
 #[derive(Subcommand)]
@@ -105,8 +98,8 @@ enum Cmd {
         #[arg(long, default_value_t = 3)]
         ttl_s: i64,
     },
-    /// The model server a node agent runs (Project 10's).
-    Server(server::ServerArgs),
+    /// The model server a node agent runs (Project 10's `serve`).
+    Server(p10_quant::serve::ServeArgs),
     /// Project 14's prefill worker, for a deployment split into roles;
     /// its own arguments after `--` (`prefill -- --help`).
     Prefill {
@@ -148,13 +141,6 @@ enum Cmd {
     ScaleBench(p15_platform::scale_bench::ScaleBenchArgs),
 }
 
-fn roles(r: &Roles) -> String {
-    match r {
-        Roles::Colocated => "colocated".into(),
-        Roles::Disaggregated { prefill, decode } => format!("{prefill}P{decode}D"),
-    }
-}
-
 /// Project 14's worker arguments, parsed after `--`.
 #[derive(Parser)]
 struct WorkerCli {
@@ -178,7 +164,7 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     // These run their own runtimes.
     match &cli.cmd {
-        Cmd::Server(a) => return server::run(a.clone()),
+        Cmd::Server(a) => return p10_quant::serve::run(a.clone()),
         Cmd::Prefill { args } => {
             let w = WorkerCli::parse_from(after_dashes("prefill", args));
             return p14_distributed::worker_serve::run(WorkerRole::Prefill, w.a);
@@ -218,61 +204,10 @@ async fn run(cli: Cli) -> Result<()> {
     let endpoints: Vec<String> = cli.etcd.split(',').map(|s| s.trim().to_string()).collect();
     let store = Store::new(endpoints.clone());
     match cli.cmd {
-        Cmd::Apply { file } => {
-            let name = file.display().to_string();
-            let text = std::fs::read_to_string(&file).with_context(|| format!("reading {name}"))?;
-            let d = ModelDeployment::from_yaml(&text, &name)?;
-            let what = match store.apply(&d).await? {
-                Applied::Created => "created",
-                Applied::Updated => "updated",
-                Applied::Unchanged => "unchanged",
-            };
-            println!("deployment {} {what}", d.name);
-        }
-        Cmd::Get { name, output } => {
-            let all = match name {
-                Some(n) => vec![store
-                    .get(&n)
-                    .await?
-                    .with_context(|| format!("no deployment named {n}"))?],
-                None => store.list().await?.0,
-            };
-            for s in all {
-                match output {
-                    Format::Yaml => print!("---\n{}", s.deployment.to_yaml()),
-                    Format::Json => println!("{}", serde_json::to_string_pretty(&s.deployment)?),
-                }
-            }
-        }
-        Cmd::Delete { name } => match store.delete(&name).await? {
-            true => println!("deployment {name} deleted"),
-            false => anyhow::bail!("no deployment named {name}"),
-        },
-        Cmd::Status => {
-            let (all, rev) = store.list().await?;
-            println!(
-                "{:<20} {:<12} {:<7} {:>8} {:<10} {:<12} {:>7} {:>9}",
-                "NAME", "MODEL", "WEIGHTS", "REPLICAS", "ROLES", "METRIC", "TARGET", "REVISION"
-            );
-            for s in &all {
-                let d = &s.deployment;
-                println!(
-                    "{:<20} {:<12} {:<7} {:>8} {:<10} {:<12} {:>7} {:>9}",
-                    d.name,
-                    d.model,
-                    d.weights.as_str(),
-                    format!("{}-{}", d.replicas.min, d.replicas.max),
-                    roles(&d.roles),
-                    d.autoscaling.metric.as_str(),
-                    d.autoscaling.target,
-                    s.mod_revision
-                );
-            }
-            println!("{} deployment(s) at etcd revision {rev}", all.len());
-            let etcd = p14_distributed::etcd::Etcd::new(endpoints, Duration::from_secs(5));
-            let snap = Snapshot::read(&etcd).await?;
-            print!("{}", p15_platform::state::servers_table(&snap));
-        }
+        Cmd::Apply { file } => print!("{}", ops::apply(&store, &file).await?),
+        Cmd::Get { name, output } => print!("{}", ops::get(&store, name.as_deref(), output).await?),
+        Cmd::Delete { name } => print!("{}", ops::delete(&store, &name).await?),
+        Cmd::Status => print!("{}", ops::status(&endpoints).await?),
         Cmd::Agent {
             node,
             capacity,
@@ -339,4 +274,15 @@ async fn run(cli: Cli) -> Result<()> {
         Cmd::ScaleBench(_) => unreachable!("handled before the runtime starts"),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    /// clap's own checks of every subcommand's flags (unique names and
+    /// groups): a clash panics only when the binary starts.
+    #[test]
+    fn the_command_line_is_well_formed() {
+        use clap::CommandFactory;
+        super::Cli::command().debug_assert();
+    }
 }

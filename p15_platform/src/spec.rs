@@ -24,6 +24,7 @@
 
 use std::time::Duration;
 
+pub use p10_quant::Weights;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -52,13 +53,6 @@ impl SpecError {
             SpecError::Parse { field, .. } | SpecError::Invalid { field, .. } => field,
         }
     }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Weights {
-    F32,
-    Native,
 }
 
 /// The most replicas one deployment may ask for: a controller tick plans
@@ -96,15 +90,6 @@ impl Metric {
             Metric::Concurrency => "concurrency",
             Metric::Queue => "queue",
             Metric::KvUsage => "kv_usage",
-        }
-    }
-}
-
-impl Weights {
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Weights::F32 => "f32",
-            Weights::Native => "native",
         }
     }
 }

@@ -17,7 +17,7 @@ fn load(native: bool) -> Model {
         common::assets::ensure(common::assets::Asset::SmolLm2).unwrap_or_else(|e| panic!("{e}"));
     let loaded = match native {
         true => p10_quant::loader::load_native(&path, p10_quant::NativeWeights::detect()),
-        false => p10_quant::loader::load(&path, false),
+        false => p10_quant::loader::load(&path, p10_quant::Weights::F32),
     }
     .unwrap();
     Model {

@@ -31,9 +31,10 @@ pub fn split_engine(s: &Shared, max_waiting: usize, kind: Kind) -> Arc<dyn Engin
     use p04_transformer::{HeadSplit, Split};
     use p08_continuous::kv_backend::KvBackend;
     use p08_continuous::LocalRunner;
+    use p10_quant::Weights;
     use p13_multi_gpu::pp::{follow_stage, PpRunner, Stage};
     use p13_multi_gpu::runner::{follow, TpRunner};
-    use p13_multi_gpu::tp::{load_part, load_rank, Weights};
+    use p13_multi_gpu::tp::{load_part, load_rank};
     use p13_multi_gpu::Communicator;
 
     let config = p08_continuous::ContinuousConfig {

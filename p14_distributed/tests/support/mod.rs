@@ -10,11 +10,11 @@ use std::time::{Duration, Instant};
 
 use common::engine::{Engine, EngineEvent, EngineRequest, PromptInput, SamplingParams};
 use p08_continuous::ContinuousEngine;
+use p10_quant::Weights;
 use p14_distributed::cluster::{self, EtcdCluster, Nats, Proc};
 use p14_distributed::proxy::Proxy;
 use p14_distributed::registry::{Role, View};
 use p14_distributed::wire::LoadFailurePolicy;
-use p14_distributed::worker_serve::Weights;
 use serde_json::Value;
 
 pub const PROMPTS: [&str; 4] = [
