@@ -17,7 +17,7 @@ use plotters::prelude::*;
 use crate::state::Snapshot;
 
 /// One second of one deployment.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Point {
     pub t: f64,
     pub desired: f64,
@@ -262,6 +262,24 @@ fn esc(s: &str) -> String {
         .replace('>', "&gt;")
 }
 
+/// The history `h` as JSON safe inside a `<script>` element.
+fn data(h: &VecDeque<Point>) -> String {
+    serde_json::to_string(h)
+        .unwrap_or_else(|_| "[]".into())
+        .replace("</", "<\\/")
+}
+
+/// The series the page plots for `deployment`, read back from `page`
+/// (`None` when the page has no such deployment).
+pub fn page_data(page: &str, deployment: &str) -> Option<Vec<Point>> {
+    let open = format!(
+        "<script type=\"application/json\" id=\"data-{}\">",
+        esc(deployment)
+    );
+    let rest = &page[page.find(&open)? + open.len()..];
+    serde_json::from_str(&rest[..rest.find("</script>")?]).ok()
+}
+
 /// The page: each deployment's plots, and each node's servers.
 pub fn html(
     controller: &str,
@@ -290,6 +308,13 @@ pub fn html(
             last.ready,
             last.load,
             svg(name, h)
+        );
+        // The plotted series as data, for scripts and tests to read.
+        let _ = write!(
+            o,
+            "<script type=\"application/json\" id=\"data-{}\">{}</script>",
+            esc(name),
+            data(h)
         );
     }
     if let Some(s) = snap {
@@ -364,5 +389,12 @@ mod tests {
         assert_eq!(page.matches("<svg").count(), 1);
         assert!(page.contains("TTFT at the servers") && page.contains("replicas and offered load"));
         assert!(page.matches("<polyline").count() >= 6, "six lines drawn");
+        assert_eq!(
+            page_data(&page, "smollm2").as_ref(),
+            hist.get("smollm2")
+                .map(|h| h.iter().cloned().collect::<Vec<_>>())
+                .as_ref()
+        );
+        assert_eq!(page_data(&page, "other"), None);
     }
 }

@@ -2,7 +2,8 @@
 //! `chromium`; `apt-get install -y chromium` if it is missing): a
 //! platform serves a few requests, then the page's screenshot must show
 //! both plots (pixels of the "ready" line's green and the TTFT p99 line's
-//! red) and the node's server.
+//! red) and the node's server, and the page's data must hold the series
+//! those lines draw: one ready replica and a TTFT series with values.
 
 mod support;
 
@@ -50,6 +51,27 @@ fn the_dashboard_shows_replicas_ttft_and_servers_in_a_browser() {
         "the node's server is listed:\n{page}"
     );
     assert!(page.contains("<svg"), "the plots are inline SVG");
+    // What the plots draw, from the page's own data: one ready replica
+    // at the end, and a TTFT series the requests above filled.
+    let series = p15_platform::dashboard::page_data(&page, "dash")
+        .unwrap_or_else(|| panic!("the page carries the plotted data:\n{page}"));
+    let last = series.last().expect("a non-empty history");
+    assert_eq!(
+        (last.desired, last.running, last.ready),
+        (1.0, 1.0, 1.0),
+        "the replica lines end at one server: {last:?}"
+    );
+    let ttft: Vec<(f64, f64)> = series
+        .iter()
+        .filter_map(|p| Some((p.ttft_p50?, p.ttft_p99?)))
+        .collect();
+    assert!(!ttft.is_empty(), "no TTFT point was plotted: {series:?}");
+    for (p50, p99) in &ttft {
+        assert!(
+            0.0 < *p50 && p50 <= p99 && *p99 < 60.0,
+            "TTFT p50 {p50} s, p99 {p99} s"
+        );
+    }
     let dir = std::env::temp_dir().join(format!("p15-dash-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let shot = dir.join("dashboard.png");
@@ -57,6 +79,10 @@ fn the_dashboard_shows_replicas_ttft_and_servers_in_a_browser() {
     let green = count(&shot, [44, 160, 44]);
     let red = count(&shot, [214, 39, 40]);
     let _ = std::fs::remove_dir_all(&dir);
-    assert!(green > 50, "the ready line is drawn ({green} green pixels)");
-    assert!(red > 20, "the TTFT p99 line is drawn ({red} red pixels)");
+    assert!(
+        green > 100,
+        "the ready line is drawn ({green} green pixels)"
+    );
+    // Each legend swatch is about 16 x 2 pixels: a drawn line is more.
+    assert!(red > 100, "the TTFT p99 line is drawn ({red} red pixels)");
 }
