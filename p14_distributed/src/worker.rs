@@ -135,6 +135,8 @@ impl Client {
 pub struct WorkerLoad {
     pub running: AtomicUsize,
     pub waiting: AtomicUsize,
+    /// Blocks lent to pulls not yet admitted.
+    pub reserved: AtomicUsize,
     pub kv_used_blocks: AtomicUsize,
     pub kv_total_blocks: AtomicUsize,
     pub imported: AtomicU64,
@@ -268,6 +270,9 @@ impl<M: BatchModel> Thread<'_, M> {
         self.load
             .waiting
             .store(s.num_waiting() + self.pending.len(), Ordering::SeqCst);
+        self.load
+            .reserved
+            .store(self.core.num_reserved(), Ordering::SeqCst);
         self.load
             .kv_used_blocks
             .store(self.core.kv().manager().used_blocks(), Ordering::SeqCst);

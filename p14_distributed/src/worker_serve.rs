@@ -435,6 +435,7 @@ async fn stats(State(ctx): State<Ctx>) -> Json<serde_json::Value> {
     let mut v = json!({
         "running": l.running.load(Ordering::SeqCst),
         "waiting": l.waiting.load(Ordering::SeqCst),
+        "reserved": l.reserved.load(Ordering::SeqCst),
         "kv_used_blocks": l.kv_used_blocks.load(Ordering::SeqCst),
         "kv_total_blocks": l.kv_total_blocks.load(Ordering::SeqCst),
         "imported": l.imported.load(Ordering::SeqCst),

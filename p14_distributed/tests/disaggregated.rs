@@ -47,7 +47,7 @@ fn check_with(
     let rig = rig_with(weights, 1, &p, &d, LoadFailurePolicy::Fail, layerwise);
     let one = colocated(weights);
     let mut want_bytes = 0;
-    // Sequential, then all at once (they share the workers' steps).
+    // Sequential first, then all at once (they share the workers' steps).
     let reqs: Vec<_> = PROMPTS
         .iter()
         .enumerate()
@@ -60,27 +60,41 @@ fn check_with(
         assert_eq!(got, want, "{weights} {prefill}P{decode}D: {:?}", r.prompt);
         want_bytes += kv_bytes(prompt_tokens(&got));
     }
-    let streams: Vec<_> = reqs
-        .iter()
-        .map(|r| rig.proxy.submit(r.clone()).expect("submitted"))
-        .collect();
-    for (r, rx) in reqs.iter().zip(streams) {
-        let got = drain(rx);
-        assert_eq!(got, collect(&one, r.clone()), "concurrent: {:?}", r.prompt);
-        want_bytes += kv_bytes(prompt_tokens(&got));
-    }
-    // Counters against the formula, summed over the prefill workers.
+    // Counters, summed over the workers of a role once they are idle.
     let stats = |role: Role, key: &str| -> u64 {
+        let idle = match role {
+            Role::Prefill => "transfers_held",
+            Role::Decode => "running",
+        };
         rig.workers
             .iter()
             .filter(|w| w.role == role)
-            .map(|w| {
-                wait_stat(&rig, w, "transfers_held", 0)[key]
-                    .as_u64()
-                    .unwrap_or(0)
-            })
+            .map(|w| wait_stat(&rig, w, idle, 0)[key].as_u64().unwrap_or(0))
             .sum()
     };
+    // Then all at once, repeated (at most 5 rounds) where the shortage
+    // path must be taken: which pulls find no free block depends on
+    // timing, so a round may not find the worker short.
+    let max_rounds = if lands == Lands::Short { 5 } else { 1 };
+    let mut rounds = 0;
+    while rounds < max_rounds {
+        let streams: Vec<_> = reqs
+            .iter()
+            .map(|r| rig.proxy.submit(r.clone()).expect("submitted"))
+            .collect();
+        for (r, rx) in reqs.iter().zip(streams) {
+            let got = drain(rx);
+            assert_eq!(got, collect(&one, r.clone()), "concurrent: {:?}", r.prompt);
+            want_bytes += kv_bytes(prompt_tokens(&got));
+        }
+        rounds += 1;
+        if lands != Lands::Short
+            || stats(Role::Decode, "imported_in_blocks") < stats(Role::Decode, "imported")
+        {
+            break;
+        }
+    }
+    let pulls = ((1 + rounds) * reqs.len()) as u64;
     assert_eq!(stats(Role::Prefill, "transfer_bytes_sent"), want_bytes);
     assert_eq!(
         rig.proxy
@@ -89,33 +103,27 @@ fn check_with(
             .load(std::sync::atomic::Ordering::SeqCst),
         want_bytes
     );
-    assert_eq!(
-        stats(Role::Prefill, "transfers_acked"),
-        2 * reqs.len() as u64
-    );
+    assert_eq!(stats(Role::Prefill, "transfers_acked"), pulls);
     assert_eq!(
         stats(Role::Prefill, "transfers_held"),
         0,
         "held after every ack"
     );
-    assert_eq!(stats(Role::Decode, "imported"), 2 * reqs.len() as u64);
+    assert_eq!(stats(Role::Decode, "imported"), pulls);
     let in_blocks = stats(Role::Decode, "imported_in_blocks");
     eprintln!(
-        "{in_blocks} of {} pulls landed in reserved blocks",
-        2 * reqs.len()
+        "{in_blocks} of {pulls} pulls landed in reserved blocks ({rounds} concurrent rounds)"
     );
     match lands {
-        Lands::Blocks => assert_eq!(in_blocks, 2 * reqs.len() as u64),
+        Lands::Blocks => assert_eq!(in_blocks, pulls),
         Lands::Buffer => assert_eq!(in_blocks, 0),
-        // Which pulls find no free blocks depends on timing (in runs
-        // here, 7 or 8 of 8 landed in blocks): the outputs are the test.
-        Lands::Short => assert!(in_blocks <= 2 * reqs.len() as u64),
+        Lands::Short => assert!(
+            in_blocks < pulls,
+            "no pull found the decode worker short of blocks in {rounds} rounds"
+        ),
     }
     assert_eq!(stats(Role::Decode, "recomputed"), 0);
-    for w in rig.workers.iter().filter(|w| w.role == Role::Decode) {
-        let s = wait_stat(&rig, w, "running", 0);
-        assert_eq!(s["running"], 0, "{}", w.url);
-    }
+    nothing_held(&rig);
 }
 
 #[test]

@@ -17,22 +17,6 @@ fn is_error(events: &[EngineEvent]) -> bool {
     matches!(events.last(), Some(EngineEvent::Error(_)))
 }
 
-/// Every decode worker holds no sequence and every live prefill worker
-/// no transfer.
-fn nothing_held(rig: &Rig) {
-    for w in &rig.workers {
-        let key = match w.role {
-            Role::Prefill => "transfers_held",
-            Role::Decode => "running",
-        };
-        let s = wait_stat(rig, w, key, 0);
-        assert_eq!(s[key], 0, "{} {}: {s}", w.role.as_str(), w.url);
-        if w.role == Role::Decode {
-            assert_eq!(s["waiting"], 0, "{s}");
-        }
-    }
-}
-
 #[test]
 fn a_corrupted_frame_is_refused_then_recomputed_or_failed_by_policy() {
     let one = colocated("native");

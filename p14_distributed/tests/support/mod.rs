@@ -199,6 +199,29 @@ impl Rig {
 
 /// Until the worker's stat `key` reads `want` (counters settle after the
 /// last event: an ack is read after the stream ended).
+/// Nothing is held on any live worker: no sequence running or waiting,
+/// no reservation, no K/V block in use, no transfer or its bytes.
+pub fn nothing_held(rig: &Rig) {
+    for w in &rig.workers {
+        let key = match w.role {
+            Role::Prefill => "transfers_held",
+            Role::Decode => "running",
+        };
+        let s = wait_stat(rig, w, key, 0);
+        let s = match s["kv_used_blocks"].as_u64() {
+            Some(0) => s,
+            _ => wait_stat(rig, w, "kv_used_blocks", 0),
+        };
+        let mut keys = vec!["running", "waiting", "reserved", "kv_used_blocks"];
+        if w.role == Role::Prefill {
+            keys.extend(["transfers_held", "transfer_bytes_held"]);
+        }
+        for k in keys {
+            assert_eq!(s[k], 0, "{} {} holds {k}: {s}", w.role.as_str(), w.url);
+        }
+    }
+}
+
 pub fn wait_stat(rig: &Rig, w: &Worker, key: &str, want: u64) -> Value {
     let t0 = Instant::now();
     loop {
