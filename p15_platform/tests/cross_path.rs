@@ -15,6 +15,11 @@
 //!                                while every stream is under way
 //! ```
 //!
+//! Through the prefill/decode proxy and the platform's router, requests
+//! using every field the API accepts (sampling, seeds, n, stops, logprobs,
+//! token prompts, streaming with usage, chat continuation) must also give
+//! the single server's answer, body for body and event for event.
+//!
 //! The other projects' servers are their own binaries, next to this test
 //! in the target directory: `cargo test --workspace` builds them (run just
 //! this file with `cargo build --profile test --bins --workspace && cargo
@@ -180,6 +185,161 @@ fn assert_same(path: &str, got: &[String], want: &[String]) {
     eprintln!("{path}: {} of {} texts equal", want.len(), want.len());
 }
 
+/// Every field the API accepts, on both endpoints, streamed and not:
+/// each must reach the engine that serves it, through every hop.
+fn every_field(model: &str) -> Vec<(&'static str, serde_json::Value)> {
+    use serde_json::json;
+    vec![
+        (
+            "/v1/completions",
+            json!({
+                "model": model, "prompt": "The capital of Japan is", "max_tokens": 16,
+                "temperature": 0.8, "top_p": 0.9, "top_k": 40, "min_p": 0.05,
+                "repetition_penalty": 1.1, "seed": 7, "n": 1, "logprobs": 3,
+                "stop": ["\n\n"], "min_tokens": 4, "ignore_eos": false, "echo": false,
+                "user": "u1", "cache_salt": "salt-1", "best_of": 1,
+                "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": {},
+            }),
+        ),
+        (
+            "/v1/completions",
+            json!({
+                "model": model, "prompt": [504, 3458, 282, 4219], "max_tokens": 12,
+                "ignore_eos": true, "temperature": 0.7, "seed": 3, "stream": true,
+                "stream_options": {"include_usage": true},
+            }),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({
+                "model": model,
+                "messages": [
+                    {"role": "system", "content": "You answer in one line."},
+                    {"role": "user", "content": [{"type": "text", "text": "Name a fruit and its colour."}]},
+                ],
+                "max_completion_tokens": 16, "logprobs": true, "top_logprobs": 2,
+                "temperature": 0.6, "seed": 11, "stop": ".",
+            }),
+        ),
+        (
+            "/v1/completions",
+            json!({
+                "model": model, "prompt": "Three birds:", "max_tokens": 12, "n": 3,
+                "temperature": 0.9, "seed": 5,
+            }),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({
+                "model": model,
+                "messages": [
+                    {"role": "user", "content": "Count to ten."},
+                    {"role": "assistant", "content": "One, two, three,"},
+                ],
+                "add_generation_prompt": false, "continue_final_message": true,
+                "max_tokens": 10, "temperature": 0.0, "stream": true,
+                "stream_options": {"include_usage": true},
+            }),
+        ),
+    ]
+}
+
+/// A response without what names the request rather than answers it
+/// (id, creation time, the model's name as the client gave it): the
+/// body, or each event of a stream.
+fn answer_of(text: &str) -> Vec<serde_json::Value> {
+    let strip = |mut v: serde_json::Value| {
+        if let Some(o) = v.as_object_mut() {
+            for k in ["id", "created", "model", "system_fingerprint"] {
+                o.remove(k);
+            }
+        }
+        v
+    };
+    let events: Vec<&str> = text
+        .split("\n\n")
+        .filter_map(|e| e.trim().strip_prefix("data: "))
+        .collect();
+    if events.is_empty() {
+        return vec![strip(
+            serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}")),
+        )];
+    }
+    events
+        .into_iter()
+        .map(|d| match d {
+            "[DONE]" => serde_json::Value::String(d.into()),
+            _ => strip(serde_json::from_str(d).unwrap_or_else(|e| panic!("{e}: {d}"))),
+        })
+        .collect()
+}
+
+/// The [`every_field`] requests' answers from `url` as `model`, one at a time.
+fn every_field_answers(url: &str, model: &str) -> Vec<Vec<serde_json::Value>> {
+    runtime().block_on(async {
+        let http = reqwest::Client::new();
+        let mut out = Vec::new();
+        for (path, body) in every_field(model) {
+            let r = http
+                .post(format!("{url}{path}"))
+                .bearer_auth(KEY)
+                .json(&body)
+                .timeout(3 * MIN)
+                .send()
+                .await
+                .unwrap_or_else(|e| panic!("{url}{path}: {e}"));
+            let status = r.status().as_u16();
+            let text = r.text().await.unwrap_or_default();
+            let answer = match status {
+                200 => answer_of(&text),
+                _ => vec![serde_json::json!({"status": status, "body": text})],
+            };
+            out.push(answer);
+        }
+        out
+    })
+}
+
+/// The single-process server's answers to [`every_field`] (computed once).
+fn every_field_reference() -> &'static [Vec<serde_json::Value>] {
+    static ONCE: OnceLock<Vec<Vec<serde_json::Value>>> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        let s = start("p10_quant", &["serve", "--model", "smollm2"]);
+        every_field_answers(&s.url, NAME)
+    })
+}
+
+/// `path` answers every request of [`every_field`] as the single server
+/// does, except those with `n` > 1 where `one_choice` (the prefill/decode
+/// proxy returns one choice per request): those must be refused by name.
+fn assert_every_field(path: &str, url: &str, model: &str, one_choice: bool) {
+    let want = every_field_reference();
+    assert!(
+        want.iter().all(|w| w[0].get("status").is_none()),
+        "the single server refused a request: {want:?}"
+    );
+    let got = every_field_answers(url, model);
+    let bodies = every_field(model);
+    for (i, ((endpoint, body), (g, w))) in bodies.iter().zip(got.iter().zip(want)).enumerate() {
+        if one_choice && body["n"].as_u64().is_some_and(|n| n > 1) {
+            let refusal = g[0]["body"].as_str().unwrap_or("");
+            assert!(
+                g[0]["status"] == 400 && refusal.contains("\"param\":\"n\""),
+                "{path}: n > 1 must be refused by name: {g:?}"
+            );
+            continue;
+        }
+        assert_eq!(
+            g, w,
+            "{path}: request {i} ({endpoint} {body}) answered otherwise than the single server"
+        );
+    }
+    eprintln!(
+        "{path}: every field answered as the single server ({} requests)",
+        want.len()
+    );
+}
+
 #[test]
 fn tensor_and_pipeline_parallel_servers_answer_as_the_single_server() {
     for (path, args, f32) in [
@@ -214,6 +374,9 @@ fn prefill_decode_clusters_answer_as_the_single_server() {
             ],
         );
         assert_same(&format!("up {p}P{d}D"), &answers(&s.url, NAME), want);
+        if p == "1" {
+            assert_every_field("up 1P1D", &s.url, NAME, true);
+        }
     }
 }
 
@@ -234,6 +397,8 @@ fn colocated_and_split_deployments_behind_the_router_answer_as_the_single_server
     router_sees(&p, &url, "pd", &s);
     assert_same("platform, co-located", &answers(&url, "co"), want);
     assert_same("platform, prefill/decode", &answers(&url, "pd"), want);
+    assert_every_field("platform, co-located", &url, "co", false);
+    assert_every_field("platform, prefill/decode", &url, "pd", true);
 }
 
 /// The text of a completion stream's events.
