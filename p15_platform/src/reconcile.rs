@@ -211,14 +211,14 @@ pub fn plan(wants: &[Want], servers: &[Server], nodes: &[Node]) -> Plan {
     let taken: BTreeSet<&str> = servers.iter().map(|s| s.id.as_str()).collect();
     // A generation's workers stay while one of its proxies runs (draining
     // included: its streams still decode on them).
-    let proxied = |dep: &str, generation: u64| {
-        servers.iter().any(|p| {
-            p.role == Role::Proxy
-                && p.deployment == dep
-                && p.generation == generation
-                && !gone.contains(p.id.as_str())
-        })
-    };
+    let proxies: BTreeSet<(&str, u64)> = servers
+        .iter()
+        .filter(|p| p.role == Role::Proxy && !gone.contains(p.id.as_str()))
+        .map(|p| (p.deployment.as_str(), p.generation))
+        .collect();
+    let proxied = |dep: &str, generation: u64| proxies.contains(&(dep, generation));
+    // Ids this plan starts (a set: one lookup per start, whatever the size).
+    let mut planned: BTreeSet<String> = BTreeSet::new();
     for w in wants {
         let mine: Vec<&Server> = servers
             .iter()
@@ -276,22 +276,21 @@ pub fn plan(wants: &[Want], servers: &[Server], nodes: &[Node]) -> Plan {
                 .filter(|nd| load.get(nd.id.as_str()).copied().unwrap_or(0) < nd.capacity)
                 .max_by_key(|nd| {
                     let free = nd.capacity - load.get(nd.id.as_str()).copied().unwrap_or(0);
-                    (free, std::cmp::Reverse(nd.id.clone()))
+                    (free, std::cmp::Reverse(nd.id.as_str()))
                 });
             let Some(node) = node else {
                 unplaced += 1;
                 continue;
             };
             let id = |n| server_id(&w.name, w.generation, w.role, n);
-            while taken.contains(id(n).as_str())
-                || p.actions
-                    .iter()
-                    .any(|a| matches!(a, Action::Start { id: i, .. } if *i == id(n)))
-            {
+            let mut next = id(n);
+            while taken.contains(next.as_str()) || planned.contains(&next) {
                 n += 1;
+                next = id(n);
             }
+            planned.insert(next.clone());
             p.actions.push(Action::Start {
-                id: id(n),
+                id: next,
                 deployment: w.name.clone(),
                 generation: w.generation,
                 role: w.role,

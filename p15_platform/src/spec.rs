@@ -61,6 +61,14 @@ impl SpecError {
 /// this platform drives).
 pub const MAX_REPLICAS: u32 = 256;
 
+/// The most processes one deployment may ask for at `replicas.max`
+/// (a split replica is its proxy and its workers).
+pub const MAX_PROCESSES: u32 = 256;
+
+/// The most deployments one platform holds (`apply` refuses another):
+/// with [`MAX_PROCESSES`] this bounds what one controller tick plans.
+pub const MAX_DEPLOYMENTS: usize = 64;
+
 /// The most prefill or decode workers one replica of a split deployment
 /// may ask for.
 pub const MAX_WORKERS_PER_ROLE: u32 = 16;
@@ -406,6 +414,16 @@ impl ModelDeployment {
                 if n > MAX_WORKERS_PER_ROLE {
                     return bad(field, format!("{n}: at most {MAX_WORKERS_PER_ROLE}"));
                 }
+            }
+            let per = 1 + prefill + decode;
+            if r.max.saturating_mul(per) > MAX_PROCESSES {
+                return bad(
+                    "replicas.max",
+                    format!(
+                        "{}: {} replicas of {per} processes each (a proxy, {prefill} prefill and {decode} decode workers) is above {MAX_PROCESSES} processes",
+                        r.max, r.max
+                    ),
+                );
             }
             if self.autoscaling.metric != Metric::Concurrency {
                 return bad(

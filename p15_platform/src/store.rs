@@ -9,7 +9,7 @@ use std::time::Duration;
 use p14_distributed::etcd::{Etcd, EtcdError};
 use thiserror::Error;
 
-use crate::spec::{ModelDeployment, SpecError};
+use crate::spec::{ModelDeployment, SpecError, MAX_DEPLOYMENTS};
 
 pub const PREFIX: &str = "/inference-lab/p15/deployments/";
 /// Everything of the platform's in etcd is under this (one range read
@@ -24,6 +24,14 @@ pub enum StoreError {
     Spec(#[from] SpecError),
     #[error("etcd key {key}: not a deployment: {message}")]
     Stored { key: String, message: String },
+    #[error(
+        "deployment {name}: the platform holds {held} deployments, at most {max}; delete one first"
+    )]
+    Full {
+        name: String,
+        held: usize,
+        max: usize,
+    },
 }
 
 /// What `apply` did.
@@ -61,7 +69,17 @@ impl Store {
         d.validate("the deployment")?;
         let before = self.get(&d.name).await?;
         let applied = match before {
-            None => Applied::Created,
+            None => {
+                let held = self.list().await?.0.len();
+                if held >= MAX_DEPLOYMENTS {
+                    return Err(StoreError::Full {
+                        name: d.name.clone(),
+                        held,
+                        max: MAX_DEPLOYMENTS,
+                    });
+                }
+                Applied::Created
+            }
             Some(s) if s.deployment == *d => return Ok(Applied::Unchanged),
             Some(_) => Applied::Updated,
         };

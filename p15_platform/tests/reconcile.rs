@@ -372,3 +372,68 @@ fn a_deleted_split_deployment_drains_its_proxies_then_their_workers() {
     assert_eq!(p.actions.len(), 2, "{p:?}");
     assert!(p.actions.iter().all(|a| matches!(a, Action::Drain { .. })));
 }
+
+/// The largest state the bounds allow (`MAX_DEPLOYMENTS` deployments of
+/// `MAX_PROCESSES` processes each: half co-located, half split into the
+/// most workers per role, on as many nodes as they need), planned from
+/// nothing and then with the plan carried out: each plan within a tenth
+/// of the controller's default 3 s lease, so no spec can make a tick
+/// outlive the lease.
+#[test]
+fn the_largest_state_the_bounds_allow_plans_well_within_a_lease() {
+    use p15_platform::spec::{MAX_DEPLOYMENTS, MAX_PROCESSES, MAX_WORKERS_PER_ROLE};
+    let rollout = Rollout {
+        max_surge: 1,
+        max_unavailable: 0,
+    };
+    let per_split = 1 + 2 * MAX_WORKERS_PER_ROLE;
+    let wants: Vec<Want> = (0..MAX_DEPLOYMENTS)
+        .flat_map(|d| match d % 2 {
+            0 => wants_of(
+                &format!("m{d}"),
+                1,
+                Roles::Colocated,
+                MAX_PROCESSES,
+                rollout,
+            ),
+            _ => wants_of(
+                &format!("m{d}"),
+                1,
+                Roles::Disaggregated {
+                    prefill: MAX_WORKERS_PER_ROLE,
+                    decode: MAX_WORKERS_PER_ROLE,
+                },
+                MAX_PROCESSES / per_split,
+                rollout,
+            ),
+        })
+        .collect();
+    let total: u32 = wants.iter().map(|w| w.replicas).sum();
+    let ids: Vec<String> = (0..total.div_ceil(256)).map(|i| format!("n{i}")).collect();
+    let caps: Vec<(&str, u32)> = ids.iter().map(|id| (id.as_str(), 256)).collect();
+    let nodes = nodes(&caps);
+    let mut servers = Vec::new();
+    let t0 = std::time::Instant::now();
+    let p = plan(&wants, &servers, &nodes);
+    let first = t0.elapsed();
+    assert_eq!(starts(&p).len() as u32, total, "every process placed");
+    apply(&p, &mut servers);
+    tick(&mut servers);
+    let t1 = std::time::Instant::now();
+    let again = plan(&wants, &servers, &nodes);
+    let second = t1.elapsed();
+    eprintln!(
+        "{total} processes on {} nodes: planned in {first:?}, then {second:?}",
+        nodes.len()
+    );
+    assert!(
+        again.actions.is_empty(),
+        "the carried-out plan plans nothing"
+    );
+    for t in [first, second] {
+        assert!(
+            t < std::time::Duration::from_millis(300),
+            "a plan took {t:?}"
+        );
+    }
+}

@@ -194,6 +194,12 @@ fn values_out_of_range_are_refused_with_the_field_named() {
             "roles.prefill",
         ),
         (
+            // 8 replicas of a proxy and 32 workers: 264 processes.
+            with("roles:", "roles: {prefill: 16, decode: 16}")
+                .replace("replicas: {min: 0, max: 4}", "replicas: {min: 0, max: 8}"),
+            "replicas.max",
+        ),
+        (
             // A split deployment's proxies report requests in flight only.
             with("roles:", "roles: {prefill: 1, decode: 1}")
                 .replace("metric: concurrency", "metric: queue"),

@@ -2,12 +2,13 @@
 //! directory; `apt-get install -y etcd-server` if it is missing): apply
 //! creates, re-applying the same is unchanged, a change updates; get,
 //! list and delete read back what was written; a foreign value under
-//! the prefix is refused with its key named; the command line does the
-//! same and names the bad field of a file.
+//! the prefix is refused with its key named; a deployment past the
+//! platform's bound is refused, an update of a held one is not; the
+//! command line does the same and names the bad field of a file.
 
 use p14_distributed::cluster::EtcdCluster;
 use p14_distributed::etcd::Etcd;
-use p15_platform::spec::ModelDeployment;
+use p15_platform::spec::{ModelDeployment, MAX_DEPLOYMENTS};
 use p15_platform::store::{key, Applied, Store, StoreError};
 
 const EXAMPLE: &str = include_str!("../examples/smollm2.yaml");
@@ -56,6 +57,42 @@ fn apply_get_list_delete_round_trip_through_etcd() {
             }
             other => panic!("a broken value was accepted: {other:?}"),
         }
+    });
+}
+
+#[test]
+fn apply_refuses_a_deployment_past_the_platforms_bound() {
+    let cluster = etcd();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let store = Store::new(cluster.urls.clone());
+        let mut d = ModelDeployment::from_yaml(EXAMPLE, "smollm2.yaml").unwrap();
+        for i in 0..MAX_DEPLOYMENTS {
+            d.name = format!("m{i}");
+            assert_eq!(store.apply(&d).await.unwrap(), Applied::Created);
+        }
+        d.name = "one-more".into();
+        match store.apply(&d).await {
+            Err(e @ StoreError::Full { .. }) => {
+                let text = e.to_string();
+                assert!(
+                    text.contains("one-more") && text.contains(&MAX_DEPLOYMENTS.to_string()),
+                    "{text}"
+                );
+            }
+            other => panic!(
+                "deployment {} of {MAX_DEPLOYMENTS} accepted: {other:?}",
+                MAX_DEPLOYMENTS + 1
+            ),
+        }
+        assert!(store.get("one-more").await.unwrap().is_none());
+        // A held one still updates.
+        d.name = "m0".into();
+        d.replicas.max = 8;
+        assert_eq!(store.apply(&d).await.unwrap(), Applied::Updated);
     });
 }
 
