@@ -17,13 +17,17 @@ fn etcd() -> EtcdCluster {
     EtcdCluster::start(1, "127.0.0.1").expect("etcd (install it: apt-get install -y etcd-server)")
 }
 
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 #[test]
 fn apply_get_list_delete_round_trip_through_etcd() {
     let cluster = etcd();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     rt.block_on(async {
         let store = Store::new(cluster.urls.clone());
         let d = ModelDeployment::from_yaml(EXAMPLE, "smollm2.yaml").unwrap();
@@ -63,10 +67,7 @@ fn apply_get_list_delete_round_trip_through_etcd() {
 #[test]
 fn apply_refuses_a_deployment_past_the_platforms_bound() {
     let cluster = etcd();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     rt.block_on(async {
         let store = Store::new(cluster.urls.clone());
         let mut d = ModelDeployment::from_yaml(EXAMPLE, "smollm2.yaml").unwrap();
