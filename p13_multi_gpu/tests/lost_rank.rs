@@ -1,6 +1,7 @@
 //! A lost rank is survived: while 8 streams decode on the TP = 3 server
 //! and on the PP = 3 one (native weights, ranks as processes), rank 2's
-//! process is killed. Rank
+//! process is killed (or stopped: then it is lost when a collective
+//! waits past its timeout). Rank
 //! 0 notices at once (its link breaks), starts the ranks again (they
 //! reload their slices) and recomputes every running sequence, as after a
 //! preemption: every stream finishes, with exactly the text it has with
@@ -101,6 +102,14 @@ fn a_killed_rank_is_restarted_and_every_stream_finishes_as_if_nothing_happened()
     survive(&["--tp", "3"]);
 }
 
+/// A rank that stops answering (SIGSTOP: alive, its sockets open) is
+/// lost once a collective waits past `--collective-timeout-s`, and is
+/// replaced as a dead one is.
+#[test]
+fn a_stopped_rank_is_replaced_after_the_collective_timeout() {
+    survive(&["--tp", "3", "--stopped"]);
+}
+
 #[test]
 fn a_killed_pipeline_stage_is_restarted_likewise() {
     survive(&["--pp", "3"]);
@@ -143,9 +152,15 @@ impl Drop for Joined {
 /// The server with `split` (native weights), 8 streams, rank 2 killed.
 fn survive(split: &[&str]) {
     let joined = split.contains(&"--joined");
-    let split: Vec<&str> = split.iter().copied().filter(|a| *a != "--joined").collect();
+    let stopped = split.contains(&"--stopped");
+    let split: Vec<&str> = split
+        .iter()
+        .copied()
+        .filter(|a| !["--joined", "--stopped"].contains(a))
+        .collect();
     let mut args = vec!["--weights", "native", "--kv-cache-mib", "256"];
-    args.extend_from_slice(&["--collective-timeout-s", "30"]);
+    let timeout = if stopped { "3" } else { "30" };
+    args.extend_from_slice(&["--collective-timeout-s", timeout]);
     args.extend_from_slice(&split);
     let mut common_args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
     let mut others = None;
@@ -203,9 +218,14 @@ fn survive(split: &[&str]) {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let killed_after = deltas.load(Ordering::SeqCst);
+        let signal = if stopped {
+            libc::SIGSTOP
+        } else {
+            libc::SIGKILL
+        };
         // SAFETY: kill(2) of a process this test (or its server) started.
         unsafe {
-            libc::kill(old, libc::SIGKILL);
+            libc::kill(old, signal);
         }
         if let Some(j) = &mut others {
             let _ = j.ranks[2].wait();
@@ -234,9 +254,26 @@ fn survive(split: &[&str]) {
             .and_then(|l| l.rsplit(' ').next())
             .and_then(|v| v.parse::<f64>().ok())
     };
-    // SAFETY: kill(2) on our own child's pid.
+    if stopped && !joined {
+        // Its server ended the stopped process (a stopped rank left alive
+        // would hold its memory and its old connections).
+        let state = std::fs::read_to_string(format!("/proc/{old}/stat")).unwrap_or_default();
+        let state = state
+            .rsplit(')')
+            .next()
+            .and_then(|r| r.split_whitespace().next());
+        assert!(
+            matches!(state, None | Some("Z")),
+            "the stopped rank {old} is still there (state {state:?})"
+        );
+    }
+    // SAFETY: kill(2) on our own child's pid, and on the stopped rank
+    // (gone already if its server replaced it as it should).
     unsafe {
         libc::kill(child.id() as i32, libc::SIGTERM);
+        if stopped {
+            libc::kill(old, libc::SIGKILL);
+        }
     }
     let _ = child.wait();
     let total: usize = want.iter().map(|w| w.as_ref().map_or(0, |t| t.len())).sum();
