@@ -73,6 +73,10 @@ pub struct Controller {
     pub report: Arc<Mutex<Report>>,
 }
 
+/// The most one tick spends reading the servers' `/metrics` (each read
+/// has its own 500 ms deadline; this bounds them together).
+const SCRAPE_BUDGET: Duration = Duration::from_millis(800);
+
 /// A server's load for `metric`, from its `/metrics` page.
 fn load_of(text: &str, metric: Metric) -> f64 {
     let gauge = p12_gateway::score::metric_sum;
@@ -289,14 +293,15 @@ impl Controller {
         let mut ttft: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
         if due {
             self.last_scrape = Some(Instant::now());
-            let held = self.held(snap).await;
+            let urls: Vec<&str> = ready.values().flatten().map(|(_, u)| u.as_str()).collect();
+            let (held, mut pages) = tokio::join!(self.held(snap), self.scrape_all(&urls));
             let mut seen = BTreeMap::new();
             for st in &snap.deployments {
                 let d = &st.deployment;
                 let mut value = held.get(&d.name).copied().unwrap_or(0.0);
                 let mut incs = Vec::new();
                 for (_, url) in ready.get(&d.name).into_iter().flatten() {
-                    let text = self.scrape(url).await;
+                    let text = pages.remove(url.as_str()).unwrap_or_default();
                     value += load_of(&text, d.autoscaling.metric);
                     let now_b = buckets(&text, "vllm:time_to_first_token_seconds");
                     if let Some(before) = self.ttft_prev.get(url) {
@@ -371,6 +376,20 @@ impl Controller {
         out
     }
 
+    /// Every server's `/metrics` page at once (64 in flight), all within
+    /// [`SCRAPE_BUDGET`] whatever their number or state: a stopped server
+    /// costs its own 500 ms, never the tick's lease. A page not read in
+    /// time is missing (the server then counts no load this second).
+    async fn scrape_all<'u>(&self, urls: &[&'u str]) -> BTreeMap<&'u str, String> {
+        use futures_util::StreamExt;
+        futures_util::stream::iter(urls.iter().copied())
+            .map(|u| async move { (u, self.scrape(u).await) })
+            .buffer_unordered(64)
+            .take_until(tokio::time::sleep(SCRAPE_BUDGET))
+            .collect()
+            .await
+    }
+
     /// One server's `/metrics` page (empty if it does not answer in time).
     async fn scrape(&self, url: &str) -> String {
         match self
@@ -388,21 +407,21 @@ impl Controller {
     /// Requests the routers hold for deployments with no ready server
     /// (Knative's activator reports these, so zero can scale up).
     async fn held(&self, snap: &Snapshot) -> BTreeMap<String, f64> {
-        let mut out: BTreeMap<String, f64> = BTreeMap::new();
-        for r in &snap.routers {
-            let got = self
+        let ask = |url: String| async move {
+            let resp = self
                 .http
-                .get(format!("{}/p15/held", r.url))
+                .get(format!("{url}/p15/held"))
                 .timeout(Duration::from_millis(500))
                 .send()
-                .await;
-            let Ok(resp) = got else { continue };
-            let Ok(m) = resp.json::<BTreeMap<String, f64>>().await else {
-                continue;
-            };
-            for (d, n) in m {
-                *out.entry(d).or_default() += n;
-            }
+                .await
+                .ok()?;
+            resp.json::<BTreeMap<String, f64>>().await.ok()
+        };
+        let answers =
+            futures_util::future::join_all(snap.routers.iter().map(|r| ask(r.url.clone()))).await;
+        let mut out: BTreeMap<String, f64> = BTreeMap::new();
+        for (d, n) in answers.into_iter().flatten().flatten() {
+            *out.entry(d).or_default() += n;
         }
         out
     }
