@@ -245,3 +245,33 @@ fn a_rolling_update_under_load_fails_no_request() {
     finish(loads, &stop);
     assert!(*most.lock().unwrap() <= 2, "max_surge 1: at most 2 servers");
 }
+
+/// Stopped servers (alive, silent) cost a tick its scrapes' deadline once,
+/// together, not once each: with eight of them stopped the leader keeps
+/// its 2 s lease (read one after another, at 500 ms each, they took 4 s).
+#[test]
+fn stopped_servers_do_not_cost_the_leader_its_lease() {
+    let mut p = Platform::start();
+    p.agent("n1", 8);
+    p.controller("c1");
+    p.apply(&deployment("mute", "replicas: {min: 8, max: 8}"));
+    let s = p.wait_for("eight ready servers", 3 * MIN, |s| {
+        ready(s, "mute").len() == 8
+    });
+    let leader = s.leader.clone().expect("a leader");
+    let pids: Vec<_> = s.servers.values().filter_map(|st| st.pid).collect();
+    assert_eq!(pids.len(), 8, "every server's pid");
+    for &pid in &pids {
+        signal_pid(pid, libc::SIGSTOP);
+    }
+    std::thread::sleep(Duration::from_secs(8));
+    let now = p.snapshot();
+    for &pid in &pids {
+        signal_pid(pid, libc::SIGCONT);
+    }
+    assert_eq!(
+        now.leader,
+        Some(leader),
+        "the leader lost its lease while its servers were stopped"
+    );
+}
