@@ -182,15 +182,16 @@ impl std::fmt::Display for Weights {
     }
 }
 
-/// A model ready to serve: the GGUF's blocks kept native, or everything
-/// dequantised to f32 at load as Projects 04–09 do.
+/// A model ready to serve: the GGUF's blocks kept native (on this CPU's
+/// batch-invariant kernels), or everything dequantised to f32 at load as
+/// Projects 04–09 do. [`crate::serve::LoadArgs::load`] with no other flag.
 pub fn load(path: &Path, weights: Weights) -> Result<LoadedEngine> {
-    match weights {
-        Weights::Native => load_native(path, NativeWeights::detect()),
-        Weights::F32 => {
-            p05_kv_cache::load::load(path).with_context(|| format!("loading {}", path.display()))
-        }
-    }
+    crate::serve::LoadArgs::of(weights).load(path)
+}
+
+/// Everything dequantised to f32 at load (Projects 04–09's model).
+pub fn load_f32(path: &Path) -> Result<LoadedEngine> {
+    p05_kv_cache::load::load(path).with_context(|| format!("loading {}", path.display()))
 }
 
 /// A model with its projections in the file's blocks, through `w`'s kernels.

@@ -51,7 +51,7 @@ impl LoadArgs {
     pub fn load(&self, path: &Path) -> anyhow::Result<LoadedEngine> {
         match self.weights {
             Weights::Native => loader::load_native(path, self.kernels()),
-            Weights::F32 => loader::load(path, Weights::F32),
+            Weights::F32 => loader::load_f32(path),
         }
     }
 
