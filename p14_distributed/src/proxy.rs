@@ -85,12 +85,35 @@ pub struct ProxyStats {
     pub in_flight: AtomicUsize,
 }
 
-/// Counts a request out of `in_flight` when its trip ends, however.
-struct Live(Arc<ProxyStats>);
+/// A request counted in `in_flight` from its submission until its last
+/// event is sent (so a client that has its answer never reads itself as
+/// still running), or until its trip ends, however.
+#[derive(Debug)]
+struct Live {
+    stats: Arc<ProxyStats>,
+    ended: AtomicBool,
+}
+
+impl Live {
+    fn start(stats: Arc<ProxyStats>) -> Live {
+        stats.in_flight.fetch_add(1, Ordering::SeqCst);
+        Live {
+            stats,
+            ended: AtomicBool::new(false),
+        }
+    }
+
+    /// Counts the request out, once.
+    fn end(&self) {
+        if !self.ended.swap(true, Ordering::SeqCst) {
+            self.stats.in_flight.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
 
 impl Drop for Live {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.end();
     }
 }
 
@@ -121,6 +144,7 @@ struct Trip {
     http: reqwest::Client,
     policy: LoadFailurePolicy,
     stats: Arc<ProxyStats>,
+    live: Live,
     events: mpsc::UnboundedSender<EngineEvent>,
     id: String,
     layerwise: bool,
@@ -204,13 +228,13 @@ impl Engine for Proxy {
         let prep = WirePrepared::new(prepared.prompt, &prepared.params, salt);
         let (tx, rx) = mpsc::unbounded_channel();
         self.stats.requests.fetch_add(1, Ordering::SeqCst);
-        self.stats.in_flight.fetch_add(1, Ordering::SeqCst);
         let trip = Trip {
             view: self.view.clone(),
             board: self.board.clone(),
             http: self.http.clone(),
             policy: self.policy,
             stats: self.stats.clone(),
+            live: Live::start(self.stats.clone()),
             events: tx,
             id,
             layerwise: self.layerwise,
@@ -305,13 +329,19 @@ impl Trip {
 
     fn error(&self, e: EngineError) {
         self.stats.errors.fetch_add(1, Ordering::SeqCst);
-        let _ = self.events.send(EngineEvent::Error(e));
+        self.last(EngineEvent::Error(e));
+    }
+
+    /// The request's last event (`Done` or `Error`): counted out of
+    /// `in_flight` first.
+    fn last(&self, event: EngineEvent) {
+        self.live.end();
+        let _ = self.events.send(event);
     }
 
     /// The request from its prompt to its last token, moved on (at most
     /// [`MAX_MIGRATIONS`] times) when a decode worker is lost mid-stream.
     async fn run(self, mut prep: WirePrepared) {
-        let _live = Live(self.stats.clone());
         // The ids of the tokens the client has, in order.
         let mut sent: Vec<u32> = Vec::new();
         let mut moves = 0;
@@ -366,7 +396,7 @@ impl Trip {
                     sent.push(t.id);
                     let _ = self.events.send(EngineEvent::Token(t.into()));
                 }
-                let _ = self.events.send(EngineEvent::Done {
+                self.last(EngineEvent::Done {
                     finish: finish_from(&finish),
                     prompt_tokens,
                     completion_tokens,
@@ -616,7 +646,7 @@ impl Trip {
                         prompt_tokens,
                         completion_tokens,
                     } => {
-                        let _ = self.events.send(EngineEvent::Done {
+                        self.last(EngineEvent::Done {
                             finish: finish_from(&finish),
                             prompt_tokens,
                             completion_tokens,
