@@ -50,6 +50,8 @@ pub struct ServerStats {
     pub sent_bytes: AtomicU64,
     pub acked: AtomicU64,
     pub expired: AtomicU64,
+    /// Freed because their request's client left.
+    pub cancelled: AtomicU64,
     pub refused: AtomicU64,
     /// Pulls being served now, each on a thread of its own.
     pub connections: AtomicUsize,
@@ -197,6 +199,20 @@ impl KvServer {
         self.stats.held.fetch_sub(1, Ordering::SeqCst);
         self.stats.held_bytes.fetch_sub(h.bytes, Ordering::SeqCst);
         Some(h)
+    }
+
+    /// Free a transfer whose request is gone (its client left); a live one
+    /// is failed too, so its prefill stops and a decode worker pulling it
+    /// hears so. False if it was not held (acknowledged, expired, never).
+    pub fn cancel(&self, id: u64) -> bool {
+        let Some(h) = self.release(id) else {
+            return false;
+        };
+        if let Body::Live(l) = &h.body {
+            l.fail("the request was cancelled (its client left)".into());
+        }
+        self.stats.cancelled.fetch_add(1, Ordering::SeqCst);
+        true
     }
 
     /// Drop every transfer whose lease has passed.

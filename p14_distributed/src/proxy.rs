@@ -63,6 +63,10 @@ pub const CHUNK_GAP: Duration = Duration::from_secs(15);
 /// come every second), so it is not cut.
 pub const LEASE_GONE_GAP: Duration = Duration::from_secs(3);
 
+/// A cancel of a gone client's transfer must be answered within this
+/// (else the transfer's lease frees it).
+pub const CANCEL_WAIT: Duration = Duration::from_secs(1);
+
 /// Counters for `/metrics`.
 #[derive(Debug, Default)]
 pub struct ProxyStats {
@@ -309,6 +313,17 @@ fn instance(w: &WorkerRecord) -> String {
     format!("{}@{} (pid {})", w.id, w.http, w.pid)
 }
 
+/// How a prefill ended.
+enum Prefilled {
+    /// A worker's answer, that worker still counted (if streamed), and its
+    /// control URL.
+    Reply(PrefillReply, Counted, String),
+    /// No prefill worker answered: the decode worker recomputes.
+    NoWorker,
+    /// The client left while it ran.
+    ClientGone,
+}
+
 /// Why a decode attempt ended without a result.
 enum Lost {
     /// Before `admitted`: another worker may take the request.
@@ -373,18 +388,28 @@ impl Trip {
     /// then decode; Err when the stream was cut after it started (the
     /// request can move on from `sent`).
     async fn attempt(&self, prep: &WirePrepared, sent: &mut Vec<u32>) -> Result<(), String> {
-        let (reply, counted) = match self.prefill(prep).await {
-            Some((r, c)) => (Some(r), c),
-            None => (None, self.uncounted()),
+        let (reply, counted, at) = match self.prefill(prep).await {
+            Prefilled::Reply(r, c, at) => (Some(r), c, at),
+            Prefilled::NoWorker => (None, self.uncounted(), String::new()),
+            // The client left: the prefill worker dropped it with our
+            // request (its handler's answer has no one to go to).
+            Prefilled::ClientGone => return Ok(()),
         };
         match reply {
             Some(PrefillReply::Transfer { first, handle, .. }) => {
-                self.decode(prep, Some(handle), Some(first), counted, sent)
-                    .await
+                let r = self
+                    .decode(prep, Some(handle.clone()), Some(first), counted, sent)
+                    .await;
+                self.cancel_if_gone(&at, &handle).await;
+                r
             }
             // Streamed: the decode worker sends the first token on.
             Some(PrefillReply::Started { handle }) => {
-                self.decode(prep, Some(handle), None, counted, sent).await
+                let r = self
+                    .decode(prep, Some(handle.clone()), None, counted, sent)
+                    .await;
+                self.cancel_if_gone(&at, &handle).await;
+                r
             }
             Some(PrefillReply::Finished {
                 first,
@@ -421,15 +446,38 @@ impl Trip {
         }
     }
 
-    /// The prefill's answer, or None when no prefill worker answered; a
-    /// streamed prefill's worker still counted in flight.
-    async fn prefill(&self, prep: &WirePrepared) -> Option<(PrefillReply, Counted)> {
+    /// A client gone with its prompt's K/V still held for it (its stream
+    /// ended before a decode worker took the transfer, or while one pulled
+    /// it): the prefill worker at `at` frees it now, and stops the prefill
+    /// if it is still being streamed, instead of holding it to its lease.
+    async fn cancel_if_gone(&self, at: &str, handle: &TransferHandle) {
+        if !self.events.is_closed() || at.is_empty() {
+            return;
+        }
+        let r = self
+            .http
+            .post(format!("{at}/cancel"))
+            .json(&serde_json::json!({ "transfer_id": handle.transfer_id }))
+            .timeout(CANCEL_WAIT)
+            .send()
+            .await;
+        if let Err(e) = r {
+            // Its lease frees it then.
+            eprintln!("proxy {}: cancelling transfer at {at}: {e}", self.id);
+        }
+    }
+
+    /// The prefill's answer (and the worker's control URL); a streamed
+    /// prefill's worker still counted in flight.
+    async fn prefill(&self, prep: &WirePrepared) -> Prefilled {
         let mut tried: Vec<String> = Vec::new();
         loop {
             let workers = self.view.workers(Role::Prefill);
             let block_size = workers.first().map_or(16, |w| w.block_size);
             let hashes = block_hashes(&Xxh3BlockHasher, &prep.prompt, block_size, &prep.salt);
-            let (w, basis) = self.board.pick_prefill(&workers, &hashes, &tried)?;
+            let Some((w, basis)) = self.board.pick_prefill(&workers, &hashes, &tried) else {
+                return Prefilled::NoWorker;
+            };
             self.board.begin(&w.id);
             let mut counted = Counted {
                 board: self.board.clone(),
@@ -439,18 +487,26 @@ impl Trip {
                 true => "prefill_stream",
                 false => "prefill",
             };
-            let r = self
-                .http
-                .post(format!("{}/{path}", w.http))
-                .json(prep)
-                // A long prompt queued behind others can take a while; a
-                // dead worker fails at once (its socket closes).
-                .timeout(Duration::from_secs(300))
-                .send()
-                .await;
-            let reply = match r {
-                Ok(r) if r.status().is_success() => r.json::<PrefillReply>().await.ok(),
-                _ => None,
+            let ask = async {
+                let r = self
+                    .http
+                    .post(format!("{}/{path}", w.http))
+                    .json(prep)
+                    // A long prompt queued behind others can take a while;
+                    // a dead worker fails at once (its socket closes).
+                    .timeout(Duration::from_secs(300))
+                    .send()
+                    .await;
+                match r {
+                    Ok(r) if r.status().is_success() => r.json::<PrefillReply>().await.ok(),
+                    _ => None,
+                }
+            };
+            let reply = tokio::select! {
+                r = ask => r,
+                // The client left: dropping the request's connection makes
+                // the worker drop the prefill at its next step.
+                _ = self.events.closed() => return Prefilled::ClientGone,
             };
             let streaming = matches!(reply, Some(PrefillReply::Started { .. }));
             if !streaming {
@@ -459,7 +515,7 @@ impl Trip {
             match reply {
                 Some(reply) => {
                     self.count(basis);
-                    return Some((reply, counted));
+                    return Prefilled::Reply(reply, counted, w.http);
                 }
                 None => {
                     eprintln!("proxy {}: prefill worker {} failed; next", self.id, w.id);
@@ -494,6 +550,9 @@ impl Trip {
                 .filter(|w| !tried.contains(&instance(w)))
                 .collect();
             if workers.is_empty() && since.elapsed() < self.worker_wait {
+                if self.events.is_closed() {
+                    return Ok(());
+                }
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }

@@ -122,8 +122,9 @@ enum Client {
 impl Client {
     fn is_gone(&self) -> bool {
         match self {
-            // A streamed prefill runs to its end: a decode worker waits.
-            Client::Prefill { live: Some(_), .. } => false,
+            // A streamed prefill runs to its end (a decode worker waits)
+            // unless its transfer was cancelled (the client left).
+            Client::Prefill { live: Some(s), .. } => s.0.ended(),
             Client::Prefill { reply, .. } => reply.as_ref().is_none_or(|r| r.is_closed()),
             Client::Stream { events, .. } => events.is_closed(),
         }
@@ -516,7 +517,7 @@ impl<M: BatchModel> Thread<'_, M> {
         let tokens = state.kv.tokens;
         let meta = serde_json::to_vec(&meta).unwrap_or_default();
         let transfer_id = server.hold(state.kv, hash, meta);
-        let _ = reply.send(PrefillReply::Transfer {
+        let sent = reply.send(PrefillReply::Transfer {
             first,
             handle: TransferHandle {
                 kv_addr: server.addr.clone(),
@@ -528,6 +529,11 @@ impl<M: BatchModel> Thread<'_, M> {
             queue_s,
             prefill_s,
         });
+        if sent.is_err() {
+            // The proxy left (its client did) as the prefill ended: no one
+            // will pull this.
+            server.cancel(transfer_id);
+        }
     }
 }
 

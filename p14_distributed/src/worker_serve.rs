@@ -8,6 +8,8 @@
 //! POST /prefill_stream WirePrepared → PrefillReply::Started (JSON) at once:
 //!                 the K/V streams while the prefill runs
 //! POST /decode    DecodeOrder   → WireEvent per line (NDJSON), first Admitted
+//! POST /cancel    {"transfer_id"} → {"cancelled": bool}: the request's
+//!                 client left; its K/V is freed (a streamed prefill stops)
 //! GET  /stats     counters (JSON): K/V held, sent, acknowledged, expired,
 //!                 imports, recomputes, blocks in use
 //! GET  /health    200 once the model is loaded
@@ -266,6 +268,7 @@ pub fn run(role: Role, a: WorkerArgs) -> anyhow::Result<()> {
             .route("/prefill", post(prefill))
             .route("/prefill_stream", post(prefill_stream))
             .route("/decode", post(decode))
+            .route("/cancel", post(cancel))
             .route("/stats", get(stats))
             .route("/health", get(|| async { "ok" }))
             .with_state(ctx);
@@ -384,6 +387,18 @@ async fn prefill_stream(
     Json(PrefillReply::Started { handle })
 }
 
+#[derive(serde::Deserialize)]
+struct Cancel {
+    transfer_id: u64,
+}
+
+/// Free a transfer whose client left (a decode worker's `/cancel` holds
+/// none: false).
+async fn cancel(State(ctx): State<Ctx>, Json(c): Json<Cancel>) -> Json<serde_json::Value> {
+    let cancelled = ctx.server.as_ref().is_some_and(|s| s.cancel(c.transfer_id));
+    Json(json!({ "cancelled": cancelled }))
+}
+
 async fn decode(
     State(ctx): State<Ctx>,
     Json(order): Json<DecodeOrder>,
@@ -450,6 +465,7 @@ async fn stats(State(ctx): State<Ctx>) -> Json<serde_json::Value> {
         v["transfer_bytes_sent"] = json!(st.sent_bytes.load(Ordering::SeqCst));
         v["transfers_acked"] = json!(st.acked.load(Ordering::SeqCst));
         v["transfers_expired"] = json!(st.expired.load(Ordering::SeqCst));
+        v["transfers_cancelled"] = json!(st.cancelled.load(Ordering::SeqCst));
         v["transfers_refused"] = json!(st.refused.load(Ordering::SeqCst));
         v["kv_connections"] = json!(st.connections.load(Ordering::SeqCst));
         v["kv_connections_turned_away"] = json!(st.turned_away.load(Ordering::SeqCst));

@@ -490,3 +490,90 @@ fn a_three_member_etcd_loses_a_follower_then_its_leader_and_service_continues() 
     rig.wait_view(1, 2, Duration::from_secs(1));
     nothing_held(&rig);
 }
+
+/// Every worker of `rig` holds nothing (no sequence running, waiting or
+/// reserved, no K/V block, no transfer) within `within`, or the test fails
+/// naming what is still held.
+fn freed_within(rig: &Rig, within: Duration) {
+    let t0 = Instant::now();
+    loop {
+        let held: Vec<String> = rig
+            .workers
+            .iter()
+            .flat_map(|w| {
+                let s = rig.stats(w);
+                [
+                    "running",
+                    "waiting",
+                    "reserved",
+                    "kv_used_blocks",
+                    "transfers_held",
+                ]
+                .into_iter()
+                .filter(|k| s[*k].as_u64().unwrap_or(0) > 0)
+                .map(|k| format!("{} {k}: {}", w.role.as_str(), s[k]))
+                .collect::<Vec<_>>()
+            })
+            .collect();
+        if held.is_empty() {
+            return;
+        }
+        assert!(
+            t0.elapsed() < within,
+            "{:?} after the client left: {held:?}",
+            t0.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_client_gone_mid_prefill_mid_transfer_or_mid_decode_frees_everything_within_1_s() {
+    // About 1,400 tokens, prefilled 64 at a time: a prefill of a second or
+    // more, dropped at the next chunk.
+    let long = PROMPTS.join(" ").repeat(20);
+    let worker: &[&str] = &["--kv-cache-mib", "160", "--max-num-batched-tokens", "64"];
+    for layerwise in [false, true] {
+        let rig = rig_with(
+            "native",
+            1,
+            &[worker],
+            &[worker],
+            LoadFailurePolicy::Recompute,
+            layerwise,
+        );
+        let prefill = &rig.workers[0];
+        // Mid-prefill: gone while the prefill worker runs the prompt (and,
+        // layer by layer, while the decode worker pulls what it wrote).
+        let rx = Engine::submit(&*rig.proxy, request(300, &long, 64)).expect("submitted");
+        let t0 = Instant::now();
+        while rig.stats(prefill)["running"].as_u64() != Some(1) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "the prefill never ran"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        drop(rx);
+        freed_within(&rig, Duration::from_secs(1));
+        let p = rig.stats(prefill);
+        assert_eq!(
+            p["prefilled"], 0,
+            "the prefill was dropped, not run out: {p}"
+        );
+        // Mid-decode: gone after its first tokens.
+        let mut rxs = vec![Engine::submit(&*rig.proxy, request(301, &long, 400)).unwrap()];
+        let mut got = vec![Vec::new()];
+        read_until(&mut rxs, &mut got, 3);
+        assert!(
+            matches!(got[0].last(), Some(EngineEvent::Token(_))),
+            "{got:?}"
+        );
+        drop(rxs);
+        freed_within(&rig, Duration::from_secs(1));
+        // And the workers serve the next request as before.
+        let one = colocated("native");
+        let req = request(302, PROMPTS[1], 12);
+        assert_eq!(rig.run(req.clone()), collect(&one, req));
+    }
+}
