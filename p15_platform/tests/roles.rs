@@ -3,8 +3,10 @@
 //! the router): the agents run Project 14's prefill worker, decode worker
 //! and proxy for it, placed across both nodes; through the router its
 //! greedy answer is the co-located server's, token for token; a killed
-//! decode worker is replaced, and a request sent meanwhile waits in the
-//! proxy for the replacement and is answered. A rolling update of a split
+//! decode worker is replaced, the four requests it was decoding move on
+//! to the replacement from their last token (the co-located server's
+//! text), and a request sent meanwhile waits in the proxy for the
+//! replacement and is answered. A rolling update of a split
 //! deployment under load (streamed and not) fails and cuts nothing: the
 //! new generation's proxy serves before the old one drains, and the old
 //! workers stay until the old proxy has finished its streams.
@@ -25,6 +27,10 @@ use p15_platform::state::{generation, Reported, Snapshot};
 use support::{complete, deployment, finish, load, ready, router_sees, Platform};
 
 const MIN: Duration = Duration::from_secs(60);
+
+/// Tokens of the requests a decode worker is killed under: long enough
+/// to be decoding when it dies.
+const LONG: u32 = 160;
 
 /// The choice's text of a completion's JSON body.
 fn text(body: &str) -> String {
@@ -95,15 +101,56 @@ fn a_split_deployment_answers_as_the_colocated_server_and_replaces_a_dead_worker
         "prefill/decode against co-located, greedy"
     );
 
-    // Kill the decode worker: the controller replaces it (a new id) and
-    // the proxy finds the new one through etcd.
+    // Kill the decode worker with four requests decoding on it: the
+    // controller replaces it (a new id), the proxy finds the new one
+    // through etcd and moves each request on from its last token, and a
+    // request sent meanwhile waits in the proxy for it. Every answer is
+    // the co-located server's.
+    let (code, co_long, _) = complete(&p.rt, &url, "co", LONG);
+    assert_eq!(code, 200, "{co_long}");
     let dead = ready_of(&s, "pd", Role::Decode).remove(0);
     let pid = s.servers[&dead].pid.expect("a pid");
-    signal_pid(pid, libc::SIGKILL);
-    // A request sent now waits in the proxy for the replacement.
-    let (code, held, _) = complete(&p.rt, &url, "pd", 24);
+    let stats = format!("{}/stats", s.servers[&dead].url.as_deref().expect("a url"));
+    let (cut, held) = std::thread::scope(|scope| {
+        let streams: Vec<_> = (0..4)
+            .map(|_| scope.spawn(|| complete(&p.rt, &url, "pd", LONG)))
+            .collect();
+        p.rt.block_on(async {
+            let t0 = std::time::Instant::now();
+            loop {
+                let running = match reqwest::get(&stats).await {
+                    Ok(r) => r.json::<serde_json::Value>().await.ok(),
+                    Err(_) => None,
+                }
+                .and_then(|v| v["running"].as_u64());
+                if running == Some(4) {
+                    break;
+                }
+                assert!(t0.elapsed() < MIN, "never four decoding: {running:?}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        });
+        signal_pid(pid, libc::SIGKILL);
+        let held = complete(&p.rt, &url, "pd", 24);
+        let cut: Vec<_> = streams.into_iter().map(|t| t.join().unwrap()).collect();
+        (cut, held)
+    });
+    for (code, body, _) in &cut {
+        assert_eq!(*code, 200, "{body}");
+        assert_eq!(text(body), text(&co_long), "a request cut mid-decode");
+    }
+    let (code, held, _) = held;
     assert_eq!(code, 200, "{held}");
     assert_eq!(text(&held), text(&co));
+    let proxy = &s.servers[&ready(&s, "pd")[0]];
+    let metrics = p.rt.block_on(async {
+        let url = format!("{}/metrics", proxy.url.as_deref().expect("a url"));
+        reqwest::get(url).await.unwrap().text().await.unwrap()
+    });
+    assert!(
+        metrics.contains("p14_proxy_migrated_total 4\n"),
+        "the four were moved on mid-stream: {metrics}"
+    );
     let s = p.wait_for("a new decode worker", 2 * MIN, |s| {
         let d = ready_of(s, "pd", Role::Decode);
         d.len() == 1 && d[0] != dead && ready(s, "pd").len() == 1
