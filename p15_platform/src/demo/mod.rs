@@ -13,6 +13,9 @@
 //!         kill an etcd member
 //! rollout weights native -> f32        (surge 1: new ready before old drains)
 //! stop    0 clients                    (back to zero after the stable window)
+//! split   `demo-pd`: 1 prefill worker, 1 decode worker and their proxy;
+//!         4 streaming clients; kill its decode worker (SIGKILL): the
+//!         proxy moves each stream on to the controller's replacement
 //! ```
 //!
 //! It prints the timeline as it goes (its own actions, and each server's
@@ -34,6 +37,7 @@ use futures_util::StreamExt;
 use crate::agent::EVENTS;
 use crate::clients::{Clients, Record};
 use crate::local::{signal_pid, Local};
+use crate::reconcile::Role;
 use crate::spec::ModelDeployment;
 use crate::state::{generation, Reported, ServerStatus, Snapshot};
 
@@ -41,6 +45,8 @@ mod report;
 
 const KEY: &str = "sk-demo";
 const NAME: &str = "demo";
+/// The split (prefill/decode) deployment of the last phase.
+const SPLIT: &str = "demo-pd";
 /// The deployment's concurrency target (streams per replica).
 pub const TARGET: f64 = 2.0;
 
@@ -74,6 +80,15 @@ fn deployment(weights: &str) -> ModelDeployment {
     ModelDeployment::from_yaml(&yaml, "the demo deployment").expect("a valid deployment")
 }
 
+fn split_deployment() -> ModelDeployment {
+    let yaml = format!(
+        "name: {SPLIT}\nmodel: smollm2\nweights: native\nreplicas: {{min: 1, max: 1}}\n\
+         autoscaling: {{metric: concurrency, target: 4, stable_window: 6s, panic_window: 2s}}\n\
+         roles: {{prefill: 1, decode: 1}}\nrollout: {{max_surge: 1, max_unavailable: 0}}\n"
+    );
+    ModelDeployment::from_yaml(&yaml, "the demo's split deployment").expect("a valid deployment")
+}
+
 pub use crate::measure::Sample;
 
 /// What one run of the scenario saw (times in seconds from its start).
@@ -89,6 +104,9 @@ pub struct Run {
     pub kills: Vec<f64>,
     /// The windows of steady load.
     pub steady: Vec<(f64, f64)>,
+    /// The split deployment's requests (its decode worker killed under
+    /// them).
+    pub split: Vec<Record>,
 }
 
 #[derive(Clone, Debug)]
@@ -206,7 +224,7 @@ async fn scenario(a: &DemoArgs) -> anyhow::Result<Run> {
     l.agent("n2", 3)?;
     l.controller("c1")?;
     l.controller("c2")?;
-    let url = l.router(&[NAME], KEY, 120_000)?;
+    let url = l.router(&[NAME, SPLIT], KEY, 120_000)?;
     tl.note(format!(
         "node agents n1 n2, controllers c1 c2, router at {url}"
     ));
@@ -413,6 +431,8 @@ async fn scenario(a: &DemoArgs) -> anyhow::Result<Run> {
         .await?;
     marks.insert("to zero", tl.note("scaled to zero") - t);
     sampler.0.abort();
+    clients.set(0);
+    let split = split_phase(&mut l, &url, &tl, &mut marks).await?;
 
     let records = clients.records();
     let samples = samples.lock().unwrap_or_else(|p| p.into_inner()).clone();
@@ -424,5 +444,68 @@ async fn scenario(a: &DemoArgs) -> anyhow::Result<Run> {
         marks,
         kills,
         steady,
+        split,
     })
+}
+
+/// A split deployment under 4 streaming clients loses its decode worker:
+/// the controller starts another, and the proxy moves each stream on to
+/// it from its last token. Its requests.
+async fn split_phase(
+    l: &mut Local,
+    url: &str,
+    tl: &Timeline,
+    marks: &mut BTreeMap<&'static str, f64>,
+) -> anyhow::Result<Vec<Record>> {
+    let long = Duration::from_secs(120);
+    l.apply(&split_deployment()).await?;
+    tl.note(format!(
+        "split: applied `{SPLIT}` (1 prefill worker, 1 decode worker, their proxy)"
+    ));
+    l.wait_for("the split deployment ready", long, |s| s.ready(SPLIT) >= 1)
+        .await?;
+    let clients = Clients::start(url, SPLIT, KEY, 4, 64, tl.t0);
+    clients.set(4);
+    tl.note(format!("load: 4 streaming clients on `{SPLIT}`"));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let s = l.snapshot().await?;
+    let victim = s
+        .assignments
+        .iter()
+        .find(|a| a.deployment == SPLIT && a.role == Role::Decode)
+        .map(|a| a.id.clone())
+        .context("a decode worker")?;
+    let pid = s
+        .servers
+        .get(&victim)
+        .and_then(|st| st.pid)
+        .context("its pid")?;
+    signal_pid(pid, libc::SIGKILL);
+    let t = tl.note(format!("chaos: killed decode worker {victim} (SIGKILL)"));
+    l.wait_for("a new decode worker", long, |s| {
+        s.assignments.iter().any(|a| {
+            a.deployment == SPLIT
+                && a.role == Role::Decode
+                && a.id != victim
+                && s.servers
+                    .get(&a.id)
+                    .is_some_and(|st| st.phase == Reported::Ready)
+        })
+    })
+    .await?;
+    marks.insert(
+        "heal decode",
+        tl.note("healed: a new decode worker serving") - t,
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    clients.set(0);
+    // The last requests finish (64 tokens each): until none is added for 1 s.
+    let t0 = Instant::now();
+    let mut n = usize::MAX;
+    while clients.records().len() != n && t0.elapsed() < long {
+        n = clients.records().len();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    tl.note(format!("load: 0 clients on `{SPLIT}`"));
+    Ok(clients.records())
 }

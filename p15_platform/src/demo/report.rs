@@ -71,6 +71,15 @@ pub fn print(a: &DemoArgs, run: &Run) {
         pct(&cold, 95.0),
         cold.len()
     );
+    let split_failed: Vec<&Record> = run.split.iter().filter(|r| !r.ok).collect();
+    println!(
+        "split deployment: {} requests, {} failed or cut with its decode worker killed under them",
+        run.split.len(),
+        split_failed.len()
+    );
+    for r in split_failed.iter().take(5) {
+        println!("  at {:.1} s: {}", r.start, r.error);
+    }
     for (k, v) in &run.marks {
         println!("{k:>12}: {v:.2} s");
     }
@@ -84,7 +93,7 @@ pub fn print(a: &DemoArgs, run: &Run) {
 }
 
 /// What each event's row says it is, and what was predicted.
-const EVENTS: [(&str, &str, &str); 9] = [
+const EVENTS: [(&str, &str, &str); 10] = [
     (
         "from zero",
         "first request to a first server ready (scale from zero)",
@@ -126,6 +135,11 @@ const EVENTS: [(&str, &str, &str); 9] = [
         "load stopped to zero replicas",
         "stable window 20 s + grace 4 s",
     ),
+    (
+        "heal decode",
+        "a split deployment's decode worker killed under load to a new one serving",
+        "lease TTL 2 s + cold start",
+    ),
 ];
 
 /// Append the runs' rows to numbers.md.
@@ -155,6 +169,18 @@ pub fn record(a: &DemoArgs, runs: &[Run]) -> anyhow::Result<()> {
             "requests",
         )
         .predicted("the streams the victims held (no mid-stream resume)"),
+        Row::new(
+            format!(
+                "p15 demo: requests of a 1P1D deployment failed or cut with its decode worker SIGKILLed under 4 streaming clients, of {} over {runs_s}",
+                runs.iter().map(|r| r.split.len()).sum::<usize>()
+            ),
+            runs.iter()
+                .flat_map(|r| &r.split)
+                .filter(|r| !r.ok)
+                .count() as f64,
+            "requests",
+        )
+        .predicted("0 (the proxy moves each stream on to the replacement)"),
         Row::new(
             format!("p15 demo: flaps of the desired count under steady load (two steady windows), over {runs_s}"),
             fs.iter().map(|f| f.flaps).sum::<usize>() as f64,
