@@ -1,7 +1,9 @@
 //! Closed-loop streaming clients whose number changes while they run (a
 //! step, a ramp, a stop), each request timed to its first token and
 //! checked to its end: `ok` only when the stream ends with `[DONE]` and no
-//! error event, `cut` when it ended early after tokens had come.
+//! error event, `cut` when it ended early after tokens had come. Each
+//! keeps its text (to compare with the single server's) and the longest
+//! wait it saw for a token (the pause a fault costs a client).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -12,6 +14,7 @@ use futures_util::StreamExt;
 /// One request, times in seconds from the clients' start.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Record {
+    pub prompt: String,
     pub start: f64,
     pub ttft: Option<f64>,
     pub end: f64,
@@ -19,6 +22,11 @@ pub struct Record {
     /// Tokens came, then the stream broke off.
     pub cut: bool,
     pub error: String,
+    /// The text streamed, in order.
+    pub text: String,
+    /// The longest wait for a token, from the request's start to its
+    /// first token or between two tokens (s).
+    pub max_gap: f64,
 }
 
 #[derive(Debug)]
@@ -100,6 +108,7 @@ pub async fn one(
 ) -> Record {
     let start = t0.elapsed().as_secs_f64();
     let mut rec = Record {
+        prompt: prompt.to_string(),
         start,
         ..Record::default()
     };
@@ -131,6 +140,7 @@ pub async fn one(
     let mut stream = resp.bytes_stream();
     let mut buf: Vec<u8> = Vec::new();
     let mut done = false;
+    let mut last = start;
     while let Some(chunk) = stream.next().await {
         let Ok(chunk) = chunk else {
             rec.error = "the stream broke off".into();
@@ -148,14 +158,15 @@ pub async fn one(
                 continue;
             }
             let v: serde_json::Value = serde_json::from_str(data).unwrap_or_default();
+            let text = v.pointer("/choices/0/text").and_then(|t| t.as_str());
             if v.get("error").is_some() {
                 rec.error = format!("error event: {data}");
-            } else if rec.ttft.is_none()
-                && v.pointer("/choices/0/text")
-                    .and_then(|t| t.as_str())
-                    .is_some_and(|t| !t.is_empty())
-            {
-                rec.ttft = Some(t0.elapsed().as_secs_f64() - start);
+            } else if let Some(text) = text.filter(|t| !t.is_empty()) {
+                let now = t0.elapsed().as_secs_f64();
+                rec.ttft.get_or_insert(now - start);
+                rec.max_gap = rec.max_gap.max(now - last);
+                last = now;
+                rec.text.push_str(text);
             }
         }
     }

@@ -102,6 +102,8 @@ pub struct Run {
     pub marks: BTreeMap<&'static str, f64>,
     /// When a server or a node was killed outright.
     pub kills: Vec<f64>,
+    /// Each fault of the matrix: its cell ([`report::CELLS`]) and when.
+    pub faults: Vec<(&'static str, f64)>,
     /// The windows of steady load.
     pub steady: Vec<(f64, f64)>,
     /// The split deployment's requests (its decode worker killed under
@@ -277,6 +279,7 @@ async fn scenario(a: &DemoArgs) -> anyhow::Result<Run> {
     // Hard kills (streams in flight on the victim are cut), and the
     // windows of steady load where the count must not flap.
     let mut kills: Vec<f64> = Vec::new();
+    let mut faults: Vec<(&'static str, f64)> = Vec::new();
     let mut steady: Vec<(f64, f64)> = Vec::new();
 
     // Scale from zero.
@@ -312,6 +315,7 @@ async fn scenario(a: &DemoArgs) -> anyhow::Result<Run> {
     signal_pid(victim.pid.context("its pid")?, libc::SIGKILL);
     let t = tl.note(format!("chaos: killed server {} (SIGKILL)", victim.id));
     kills.push(t);
+    faults.push(("server", t));
     l.wait_for("the server replaced", long, |s| {
         ready(s) >= 4
             && !s
@@ -337,6 +341,7 @@ async fn scenario(a: &DemoArgs) -> anyhow::Result<Run> {
         "chaos: killed node agent n2 (its servers {on_n2:?} die with it)"
     ));
     kills.push(t);
+    faults.push(("node", t));
     l.wait_for("n2's lease gone", long, |s| {
         s.nodes.iter().all(|n| n.id != "n2")
     })
@@ -361,6 +366,7 @@ async fn scenario(a: &DemoArgs) -> anyhow::Result<Run> {
         m.proc.signal(libc::SIGKILL);
     }
     let t = tl.note(format!("chaos: killed the leading controller {leader}"));
+    faults.push(("leader", t));
     l.wait_for("a new leader", long, |s| {
         s.leader.as_ref().is_some_and(|(id, _)| *id != leader)
     })
@@ -374,6 +380,7 @@ async fn scenario(a: &DemoArgs) -> anyhow::Result<Run> {
     let m = l.etcd_client().leader().await.unwrap_or(0);
     l.etcd.members[m].signal(libc::SIGKILL);
     let t = tl.note(format!("chaos: killed etcd member m{m}, the etcd leader"));
+    faults.push(("etcd", t));
     // A write through the surviving members (it waits for their new leader).
     l.etcd_client()
         .put(
@@ -432,7 +439,7 @@ async fn scenario(a: &DemoArgs) -> anyhow::Result<Run> {
     marks.insert("to zero", tl.note("scaled to zero") - t);
     sampler.0.abort();
     clients.set(0);
-    let split = split_phase(&mut l, &url, &tl, &mut marks).await?;
+    let split = split_phase(&mut l, &url, &tl, &mut marks, &mut faults).await?;
 
     let records = clients.records();
     let samples = samples.lock().unwrap_or_else(|p| p.into_inner()).clone();
@@ -443,6 +450,7 @@ async fn scenario(a: &DemoArgs) -> anyhow::Result<Run> {
         cold,
         marks,
         kills,
+        faults,
         steady,
         split,
     })
@@ -456,6 +464,7 @@ async fn split_phase(
     url: &str,
     tl: &Timeline,
     marks: &mut BTreeMap<&'static str, f64>,
+    faults: &mut Vec<(&'static str, f64)>,
 ) -> anyhow::Result<Vec<Record>> {
     let long = Duration::from_secs(120);
     l.apply(&split_deployment()).await?;
@@ -482,6 +491,7 @@ async fn split_phase(
         .context("its pid")?;
     signal_pid(pid, libc::SIGKILL);
     let t = tl.note(format!("chaos: killed decode worker {victim} (SIGKILL)"));
+    faults.push(("decode", t));
     l.wait_for("a new decode worker", long, |s| {
         s.assignments.iter().any(|a| {
             a.deployment == SPLIT

@@ -45,6 +45,87 @@ pub fn figures(run: &Run) -> Figures {
     }
 }
 
+/// The fault matrix's cells: key, what was done, the pause predicted.
+pub const CELLS: [(&str, &str, &str); 5] = [
+    (
+        "server",
+        "a server SIGKILLed",
+        "under 1 s: the router's retry + a prefill of the prompt and text so far",
+    ),
+    (
+        "node",
+        "a node agent SIGKILLed (its servers with it)",
+        "as a server's",
+    ),
+    (
+        "leader",
+        "the leading controller SIGKILLed",
+        "no longer than unfaulted (a TTFT under load): requests do not pass through it",
+    ),
+    (
+        "etcd",
+        "etcd's leader SIGKILLed (3 members)",
+        "no longer than unfaulted: the router serves from its last view",
+    ),
+    (
+        "decode",
+        "a split deployment's decode worker SIGKILLed",
+        "under 1 s: the lease's expiry is not waited for; a prefill of prompt and tokens so far",
+    ),
+];
+
+/// One cell of one run: the requests in flight at its fault.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Cell {
+    pub requests: usize,
+    /// Failed or cut.
+    pub lost: usize,
+    /// Answered, with another text than the same prompt's answer before
+    /// any fault (a split deployment's longer answers must start with it).
+    pub changed: usize,
+    /// The longest wait for a token among them (s).
+    pub pause: f64,
+}
+
+/// The answer to each prompt before the first fault: what the
+/// single-process server (every replica runs one) gives, unfaulted.
+fn unfaulted(run: &Run) -> BTreeMap<&str, &str> {
+    let first = run.faults.iter().map(|f| f.1).fold(f64::INFINITY, f64::min);
+    let mut m = BTreeMap::new();
+    for r in run.records.iter().filter(|r| r.ok && r.end < first) {
+        m.entry(r.prompt.as_str()).or_insert(r.text.as_str());
+    }
+    m
+}
+
+/// Each cell's figures in one run.
+pub fn matrix(run: &Run) -> BTreeMap<&'static str, Cell> {
+    let want = unfaulted(run);
+    let mut out = BTreeMap::new();
+    for &(key, t) in &run.faults {
+        let (records, longer) = match key {
+            "decode" => (&run.split, true),
+            _ => (&run.records, false),
+        };
+        let mut c = Cell::default();
+        for r in records.iter().filter(|r| r.start <= t && t <= r.end) {
+            c.requests += 1;
+            c.pause = c.pause.max(r.max_gap);
+            let agrees = want.get(r.prompt.as_str()).is_some_and(|w| match longer {
+                true => r.text.starts_with(w),
+                false => r.text == *w,
+            });
+            if !r.ok {
+                c.lost += 1;
+            } else if !agrees {
+                c.changed += 1;
+            }
+        }
+        out.insert(key, c);
+    }
+    out
+}
+
 /// One run's figures, as text.
 pub fn print(a: &DemoArgs, run: &Run) {
     let f = figures(run);
@@ -82,6 +163,13 @@ pub fn print(a: &DemoArgs, run: &Run) {
     }
     for (k, v) in &run.marks {
         println!("{k:>12}: {v:.2} s");
+    }
+    println!("fault matrix (requests in flight at the fault):");
+    for (k, c) in matrix(run) {
+        println!(
+            "{k:>12}: {} requests, {} lost, {} changed, longest wait {:.2} s",
+            c.requests, c.lost, c.changed, c.pause
+        );
     }
     println!(
         "replica-seconds {:.0}, ideal {:.0} (ratio {:.2}); flaps {}",
@@ -219,6 +307,33 @@ pub fn record(a: &DemoArgs, runs: &[Run]) -> anyhow::Result<()> {
             .collect();
         rows.extend(rows_of(&format!("p15 demo: {metric}"), v, "s", pred));
     }
+    let ms: Vec<_> = runs.iter().map(matrix).collect();
+    for (key, what, pause) in CELLS {
+        let cells: Vec<&Cell> = ms.iter().filter_map(|m| m.get(key)).collect();
+        let sum = |f: fn(&Cell) -> usize| cells.iter().map(|c| f(c)).sum::<usize>() as f64;
+        let name = format!("p15 fault matrix: {what}");
+        rows.push(Row::new(
+            format!("{name}: requests in flight, over {runs_s}"),
+            sum(|c| c.requests),
+            "requests",
+        ));
+        rows.push(Row::new(format!("{name}: lost"), sum(|c| c.lost), "requests").predicted("0"));
+        rows.push(
+            Row::new(
+                format!("{name}: answers other than the unfaulted answer"),
+                sum(|c| c.changed),
+                "requests",
+            )
+            .predicted("0"),
+        );
+        let pauses = cells.iter().map(|c| c.pause).collect();
+        rows.extend(rows_of(
+            &format!("{name}: longest wait for a token in flight"),
+            pauses,
+            "s",
+            pause,
+        ));
+    }
     crate::measure::append(&rows, "")
 }
 
@@ -277,4 +392,57 @@ pub fn plot(a: &DemoArgs, run: &Run) -> anyhow::Result<()> {
     )?;
     println!("plots: {} {}", path.display(), path2.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(prompt: &str, start: f64, end: f64, ok: bool, text: &str, gap: f64) -> Record {
+        Record {
+            prompt: prompt.into(),
+            start,
+            end,
+            ok,
+            text: text.into(),
+            max_gap: gap,
+            ..Record::default()
+        }
+    }
+
+    /// A cell counts what was in flight at its fault: lost, changed
+    /// against the answer before the first fault, and the longest wait.
+    #[test]
+    fn a_cell_counts_the_requests_in_flight_at_its_fault() {
+        let run = Run {
+            records: vec![
+                rec("a", 0.0, 1.0, true, " one", 0.1), // before: the reference
+                rec("a", 4.0, 6.0, true, " one", 0.9), // in flight, equal
+                rec("a", 4.5, 5.5, true, " two", 0.2), // in flight, changed
+                rec("a", 4.8, 5.1, false, " o", 0.3),  // in flight, lost
+                rec("a", 6.0, 7.0, false, "", 0.0),    // after: not counted
+            ],
+            split: vec![
+                rec("a", 9.0, 11.0, true, " one more", 0.5), // longer: agrees
+                rec("a", 9.5, 10.5, true, " on", 0.4),       // shorter: changed
+            ],
+            faults: vec![("server", 5.0), ("decode", 10.0)],
+            ..Run::default()
+        };
+        let m = matrix(&run);
+        let want = Cell {
+            requests: 3,
+            lost: 1,
+            changed: 1,
+            pause: 0.9,
+        };
+        assert_eq!(m["server"], want);
+        let want = Cell {
+            requests: 2,
+            lost: 0,
+            changed: 1,
+            pause: 0.5,
+        };
+        assert_eq!(m["decode"], want);
+    }
 }
