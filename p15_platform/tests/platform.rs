@@ -18,7 +18,9 @@ use p14_distributed::etcd::{Compare, Op};
 use p15_platform::election::{fenced, fenced_if, Candidate};
 use p15_platform::local::signal_pid;
 use p15_platform::state::generation;
-use support::{complete, deployment, finish, load, ready, router_sees, Platform};
+use support::{
+    answers, complete, deployment, finish, load, nothing_held, ready, router_sees, Platform,
+};
 
 const MIN: Duration = Duration::from_secs(60);
 
@@ -124,13 +126,15 @@ fn killed_servers_and_a_dead_node_are_replaced_while_requests_succeed() {
     let nodes: std::collections::BTreeSet<&str> =
         s.assignments.iter().map(|a| a.node.as_str()).collect();
     assert_eq!(nodes.len(), 2, "placed by free capacity: one per node");
+    let want = answers(&p, &["native"]);
     let p = Arc::new(p);
     let stop = Arc::new(AtomicBool::new(false));
     // Two clients waiting for whole answers, two streaming: a stream cut
-    // by a kill is continued on another server.
+    // by a kill is continued on another server, with the single server's
+    // text.
     let loads: Vec<_> = [false, false, true, true]
         .into_iter()
-        .map(|stream| load(&p, url.clone(), "heal", stop.clone(), stream))
+        .map(|stream| load(&p, url.clone(), "heal", stop.clone(), stream, &want))
         .collect();
     std::thread::sleep(Duration::from_secs(1));
     // 1. A server dies.
@@ -166,6 +170,7 @@ fn killed_servers_and_a_dead_node_are_replaced_while_requests_succeed() {
     assert!(s.nodes.iter().all(|n| n.id != "n2"), "n2's lease expired");
     std::thread::sleep(Duration::from_secs(1));
     finish(loads, &stop);
+    nothing_held(&p, "heal", Duration::from_secs(5));
     let page = p.rt.block_on(async {
         let r = reqwest::get(format!("{url}/metrics")).await.ok()?;
         r.text().await.ok()
@@ -222,10 +227,12 @@ fn a_rolling_update_under_load_fails_no_request() {
     let before = deployment("roll", "");
     p.apply(&before);
     p.wait_for("one ready server", MIN, |s| ready(s, "roll").len() == 1);
+    // Each answer is one generation's: native's or f32's.
+    let want = answers(&p, &["native", "f32"]);
     let p = Arc::new(p);
     let stop = Arc::new(AtomicBool::new(false));
     let loads: Vec<_> = (0..2)
-        .map(|_| load(&p, url.clone(), "roll", stop.clone(), false))
+        .map(|_| load(&p, url.clone(), "roll", stop.clone(), false, &want))
         .collect();
     std::thread::sleep(Duration::from_secs(1));
     let after = deployment("roll", "weights: f32");

@@ -24,7 +24,7 @@ use std::time::Duration;
 use p15_platform::local::signal_pid;
 use p15_platform::reconcile::Role;
 use p15_platform::state::{generation, Reported, Snapshot};
-use support::{complete, deployment, finish, load, ready, router_sees, Platform};
+use support::{answers, complete, deployment, finish, load, ready, router_sees, Platform};
 
 const MIN: Duration = Duration::from_secs(60);
 
@@ -174,11 +174,12 @@ fn a_rolling_update_of_a_split_deployment_under_load_fails_and_cuts_nothing() {
         ready(s, "pdroll").len() == 1
     });
     router_sees(&p, &url, "pdroll", &s);
+    let want = answers(&p, &["native", "f32"]);
     let p = Arc::new(p);
     let stop = Arc::new(AtomicBool::new(false));
     let loads: Vec<_> = [false, true]
         .into_iter()
-        .map(|stream| load(&p, url.clone(), "pdroll", stop.clone(), stream))
+        .map(|stream| load(&p, url.clone(), "pdroll", stop.clone(), stream, &want))
         .collect();
     std::thread::sleep(Duration::from_secs(1));
     let after = deployment("pdroll", "roles: {prefill: 1, decode: 1}\nweights: f32");

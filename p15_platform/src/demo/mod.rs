@@ -22,7 +22,8 @@
 //! phase changes as the node agents publish them on NATS), then the
 //! figures: failed or cut requests, cold starts, the step's reaction,
 //! time to heal each event, replica-seconds against the ideal, flaps,
-//! TTFT. The plot goes to `p15_platform/plots/demo.png` and the figures
+//! TTFT, and the fault matrix (each fault's requests in flight, lost,
+//! changed, and their longest wait for a token). The plot goes to `p15_platform/plots/demo.png` and the figures
 //! to numbers.md (unless `--no-rows`).
 
 use std::collections::BTreeMap;

@@ -53,7 +53,12 @@ pub fn deployment(name: &str, extra: &str) -> ModelDeployment {
 
 impl Platform {
     pub fn start() -> Platform {
-        let mut local = Local::start(EXE.as_ref(), 1, false).expect("etcd");
+        Platform::with_etcd(1)
+    }
+
+    /// A platform whose etcd has `members` members.
+    pub fn with_etcd(members: usize) -> Platform {
+        let mut local = Local::start(EXE.as_ref(), members, false).expect("etcd");
         local.quiet = false; // a failing test shows its processes' errors
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -171,7 +176,7 @@ pub fn complete(
     max_tokens: u32,
 ) -> (u16, String, Option<String>) {
     let body = serde_json::json!({
-        "model": model, "prompt": "The capital of France is",
+        "model": model, "prompt": PROMPT,
         "max_tokens": max_tokens, "temperature": 0.0,
     });
     rt.block_on(async {
@@ -197,8 +202,101 @@ pub fn complete(
     })
 }
 
-/// Requests in a loop through the router until stopped, streamed (32
-/// tokens each, so that a kill finds some mid-way) or not; (ok, failed:
+/// What [`load`] asks: one prompt, greedy; 32 tokens streamed (so that a
+/// kill finds some mid-way), 8 whole.
+pub const PROMPT: &str = "The capital of France is";
+pub fn load_tokens(stream: bool) -> u32 {
+    if stream {
+        32
+    } else {
+        8
+    }
+}
+
+/// The single-process server's answers to [`load`]'s two requests, one
+/// pair per weight format a test's deployment runs: every answer through
+/// the platform must be one of them.
+#[derive(Clone, Debug)]
+pub struct Answers(Vec<(u32, String)>);
+
+impl Answers {
+    fn check(&self, max_tokens: u32, text: &str) -> Result<(), String> {
+        let want: Vec<&String> = self
+            .0
+            .iter()
+            .filter(|a| a.0 == max_tokens)
+            .map(|a| &a.1)
+            .collect();
+        match want.iter().any(|w| *w == text) {
+            true => Ok(()),
+            false => Err(format!(
+                "answered {text:?}; the single-process server answers {want:?}"
+            )),
+        }
+    }
+}
+
+#[derive(clap::Parser)]
+struct ReferenceCli {
+    #[command(flatten)]
+    serve: p10_quant::serve::ServeArgs,
+}
+
+/// `p10_quant serve --weights W` in this process, one per format in
+/// `weights` (the README's server), asked [`load`]'s requests once each.
+pub fn answers(p: &Platform, weights: &[&str]) -> Arc<Answers> {
+    use clap::Parser;
+    let mut out = Vec::new();
+    for w in weights {
+        let port = p14_distributed::cluster::free_port("127.0.0.1")
+            .unwrap()
+            .to_string();
+        let cli = ReferenceCli::parse_from([
+            "reference",
+            "--port",
+            &port,
+            "--weights",
+            w,
+            "--served-model-name",
+            "reference",
+        ]);
+        let server = p.rt.spawn(p10_quant::serve::serve(cli.serve));
+        let url = format!("http://127.0.0.1:{port}");
+        let t0 = Instant::now();
+        loop {
+            let up = p.rt.block_on(async {
+                let r = reqwest::get(format!("{url}/health")).await;
+                r.is_ok_and(|r| r.status().is_success())
+            });
+            if up {
+                break;
+            }
+            assert!(!server.is_finished(), "the reference server ({w}) stopped");
+            assert!(
+                t0.elapsed() < Duration::from_secs(300),
+                "the reference server ({w}) was not ready in 300 s"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        for stream in [false, true] {
+            let n = load_tokens(stream);
+            let (code, body, _) = complete(&p.rt, &url, "reference", n);
+            assert_eq!(code, 200, "the reference server: {body}");
+            out.push((n, completion_text(&body).expect("a completion")));
+        }
+        server.abort();
+    }
+    Arc::new(Answers(out))
+}
+
+/// `choices[0].text` of a completion's body.
+pub fn completion_text(body: &str) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_str(body).ok()?;
+    Some(v.pointer("/choices/0/text")?.as_str()?.to_string())
+}
+
+/// Requests in a loop through the router until stopped, streamed or not
+/// ([`load_tokens`]), each answer checked against `want`; (ok, failed:
 /// what went wrong).
 pub fn load(
     p: &Arc<Platform>,
@@ -206,7 +304,9 @@ pub fn load(
     model: &'static str,
     stop: Arc<AtomicBool>,
     stream: bool,
+    want: &Arc<Answers>,
 ) -> std::thread::JoinHandle<(u32, Vec<String>)> {
+    let want = want.clone();
     let p = p.clone();
     std::thread::spawn(move || {
         let mut ok = 0;
@@ -214,19 +314,22 @@ pub fn load(
         let t0 = Instant::now();
         let http = reqwest::Client::new();
         while !stop.load(Ordering::Relaxed) {
+            let n = load_tokens(stream);
             let outcome = if stream {
-                let prompt = "The capital of France is";
                 let r = p.rt.block_on(p15_platform::clients::one(
-                    &http, &url, model, KEY, prompt, 32, t0,
+                    &http, &url, model, KEY, PROMPT, n, t0,
                 ));
                 match (r.ok, r.cut) {
-                    (true, _) => Ok(()),
+                    (true, _) => want.check(n, &r.text),
                     (false, true) => Err(format!("a stream cut: {}", r.error)),
                     (false, false) => Err(r.error),
                 }
             } else {
-                match complete(&p.rt, &url, model, 8) {
-                    (200, _, _) => Ok(()),
+                match complete(&p.rt, &url, model, n) {
+                    (200, body, _) => match completion_text(&body) {
+                        Some(t) => want.check(n, &t),
+                        None => Err(format!("200 without a text: {body}")),
+                    },
                     (code, body, _) => Err(format!("{code} {body}")),
                 }
             };
@@ -242,6 +345,57 @@ pub fn load(
         }
         (ok, failed)
     })
+}
+
+/// Every ready server of `deployment` holds nothing (no sequence running
+/// or waiting, no K/V block held by a sequence) within `within`, or the
+/// test fails naming what is still held.
+pub fn nothing_held(p: &Platform, deployment: &str, within: Duration) {
+    use p12_gateway::score::metric_sum;
+    let urls: Vec<String> = p
+        .snapshot()
+        .endpoints
+        .get(deployment)
+        .map_or(Vec::new(), |v| {
+            v.iter()
+                .map(|(_, u)| u.trim_end_matches('/').to_string())
+                .collect()
+        });
+    assert!(!urls.is_empty(), "no ready server of {deployment}");
+    let t0 = Instant::now();
+    loop {
+        let held: Vec<String> = urls
+            .iter()
+            .flat_map(|u| {
+                let page = p.rt.block_on(async {
+                    let r = reqwest::get(format!("{u}/metrics")).await.ok()?;
+                    r.text().await.ok()
+                });
+                let Some(page) = page else {
+                    return vec![format!("{u}: no /metrics")];
+                };
+                [
+                    "vllm:num_requests_running",
+                    "vllm:num_requests_waiting",
+                    "vllm:kv_cache_usage_perc",
+                ]
+                .into_iter()
+                .map(|m| (m, metric_sum(&page, m)))
+                .filter(|(_, v)| *v != 0.0)
+                .map(|(m, v)| format!("{u} {m} {v}"))
+                .collect()
+            })
+            .collect();
+        if held.is_empty() {
+            return;
+        }
+        assert!(
+            t0.elapsed() < within,
+            "held {:?} after the load: {held:?}",
+            t0.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// Stop the load threads; every request must have been answered.
