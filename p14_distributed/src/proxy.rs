@@ -317,7 +317,7 @@ fn instance(w: &WorkerRecord) -> String {
 enum Prefilled {
     /// A worker's answer, that worker still counted (if streamed), and its
     /// control URL.
-    Reply(PrefillReply, Counted, String),
+    Reply(Box<PrefillReply>, Counted, String),
     /// No prefill worker answered: the decode worker recomputes.
     NoWorker,
     /// The client left while it ran.
@@ -389,7 +389,7 @@ impl Trip {
     /// request can move on from `sent`).
     async fn attempt(&self, prep: &WirePrepared, sent: &mut Vec<u32>) -> Result<(), String> {
         let (reply, counted, at) = match self.prefill(prep).await {
-            Prefilled::Reply(r, c, at) => (Some(r), c, at),
+            Prefilled::Reply(r, c, at) => (Some(*r), c, at),
             Prefilled::NoWorker => (None, self.uncounted(), String::new()),
             // The client left: the prefill worker dropped it with our
             // request (its handler's answer has no one to go to).
@@ -515,7 +515,7 @@ impl Trip {
             match reply {
                 Some(reply) => {
                     self.count(basis);
-                    return Prefilled::Reply(reply, counted, w.http);
+                    return Prefilled::Reply(Box::new(reply), counted, w.http);
                 }
                 None => {
                     eprintln!("proxy {}: prefill worker {} failed; next", self.id, w.id);
