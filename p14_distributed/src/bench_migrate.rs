@@ -126,7 +126,7 @@ fn events(proxy: &Proxy, req: EngineRequest) -> Result<Vec<EngineEvent>> {
     Ok(out)
 }
 
-/// The worker of `workers` with a sequence running, from its stats.
+/// The worker of `workers` with a sequence admitted, from its stats.
 fn serving(rt: &tokio::runtime::Runtime, workers: &[WorkerRecord]) -> Option<WorkerRecord> {
     let http = reqwest::Client::new();
     workers.iter().find_map(|w| {
@@ -141,7 +141,8 @@ fn serving(rt: &tokio::runtime::Runtime, workers: &[WorkerRecord]) -> Option<Wor
                     .await
             })
             .ok()?;
-        (s["running"].as_u64() >= Some(1)).then(|| w.clone())
+        let admitted = s["running"].as_u64().unwrap_or(0) + s["waiting"].as_u64().unwrap_or(0);
+        (admitted >= 1).then(|| w.clone())
     })
 }
 

@@ -249,6 +249,9 @@ impl<M: BatchModel> Thread<'_, M> {
             for id in gone {
                 self.core.abort(id);
             }
+            // What it admitted counts from now, not after its (maybe long)
+            // first step.
+            self.publish_load();
             let t0 = Instant::now();
             let out = self.core.step();
             self.post(out, t0);
