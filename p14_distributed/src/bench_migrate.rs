@@ -152,7 +152,7 @@ fn signal(w: &WorkerRecord, sig: i32) {
 }
 
 /// One run of a cell: (the pause the client saw in seconds, the stream's
-/// events, the worker stopped, to resume).
+/// events, the worker struck).
 fn faulted_run(
     proxy: &Proxy,
     rt: &tokio::runtime::Runtime,
@@ -160,11 +160,11 @@ fn faulted_run(
     req: EngineRequest,
     fault: Fault,
     kill_after: usize,
-) -> Result<(f64, Vec<EngineEvent>, Option<WorkerRecord>)> {
+) -> Result<(f64, Vec<EngineEvent>, WorkerRecord)> {
     let mut rx = proxy.submit(req)?;
     // The client's view: when each token arrived, from the fault on (the
     // tokens already on their way when it came arrive first).
-    let (mut at, mut arrivals, mut stopped) = (None::<Instant>, Vec::new(), None);
+    let (mut at, mut arrivals, mut struck) = (None::<Instant>, Vec::new(), None);
     let mut strike = |arrivals: &mut Vec<f64>| -> Result<Instant> {
         let t0 = Instant::now();
         let w = loop {
@@ -179,12 +179,10 @@ fn faulted_run(
             std::thread::sleep(Duration::from_millis(2));
         };
         match fault {
-            Fault::DecodeStop => {
-                signal(&w, libc::SIGSTOP);
-                stopped = Some(w);
-            }
+            Fault::DecodeStop => signal(&w, libc::SIGSTOP),
             Fault::DecodeKill | Fault::PrefillKill => signal(&w, libc::SIGKILL),
         }
+        struck = Some(w);
         arrivals.push(0.0);
         Ok(Instant::now())
     };
@@ -210,7 +208,8 @@ fn faulted_run(
         .windows(2)
         .map(|w| w[1] - w[0])
         .fold(None, |m: Option<f64>, g| Some(m.map_or(g, |m| m.max(g))));
-    Ok((pause.context("no token after the fault")?, got, stopped))
+    let struck = struck.context("no fault: the stream ended first")?;
+    Ok((pause.context("no token after the fault")?, got, struck))
 }
 
 /// Seconds to the first token of `req`.
@@ -224,18 +223,25 @@ fn ttft(proxy: &Proxy, req: EngineRequest) -> Result<f64> {
     Ok(t)
 }
 
-/// Until the view holds 1 prefill and 2 decode workers (the supervisor's
-/// replacements, a resumed worker registered again).
-fn wait_all(view: &crate::registry::View) -> Result<()> {
+/// Until the view holds 1 prefill and 2 decode workers (a resumed worker
+/// registered again), none of them the instance `gone` (a killed one's
+/// record stays until its lease runs out; the supervisor's replacement
+/// registers under its id).
+fn wait_all(view: &crate::registry::View, gone: Option<&WorkerRecord>) -> Result<()> {
     let t0 = Instant::now();
-    while view.workers(Role::Prefill).len() != 1 || view.workers(Role::Decode).len() != 2 {
+    let stale =
+        |ws: &[WorkerRecord]| gone.is_some_and(|g| ws.iter().any(|w| w.instance() == g.instance()));
+    loop {
+        let (p, d) = (view.workers(Role::Prefill), view.workers(Role::Decode));
+        if p.len() == 1 && d.len() == 2 && !stale(&p) && !stale(&d) {
+            return Ok(());
+        }
         ensure!(
             t0.elapsed() < Duration::from_secs(60),
             "the workers not all back in 60 s"
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    Ok(())
 }
 
 pub fn run(a: &MigrateArgs) -> Result<()> {
@@ -277,14 +283,16 @@ pub fn run(a: &MigrateArgs) -> Result<()> {
         rt.handle(),
     )?;
     let proxy = proxy.worker_wait(Duration::from_secs(30));
-    wait_all(&view)?;
+    wait_all(&view, None)?;
+    // The worker killed last: its replacement must be in the view.
+    let mut gone: Option<WorkerRecord> = None;
     // Per cell: its pauses (ms), and its streams lost or changed.
     let mut cells: Vec<(Fault, Vec<f64>, usize)> =
         a.faults.iter().map(|&f| (f, Vec::new(), 0)).collect();
     let mut recomputes = Vec::new();
     for i in 0..a.runs {
         for (c, (fault, pauses, bad)) in cells.iter_mut().enumerate() {
-            wait_all(&view)?;
+            wait_all(&view, gone.as_ref())?;
             let seed = match fault {
                 Fault::DecodeKill => i as u64,
                 _ => 2_000 + 8 * i as u64 + c as u64,
@@ -296,20 +304,25 @@ pub fn run(a: &MigrateArgs) -> Result<()> {
                 // The prompt must be prefilled when its worker dies: the
                 // unfaulted run comes after, on the replacement.
                 Fault::PrefillKill => {
-                    let (pause, got, _) =
+                    let (pause, got, struck) =
                         faulted_run(&proxy, &rt, &view, req, *fault, a.kill_after)?;
-                    wait_all(&view)?;
+                    wait_all(&view, Some(&struck))?;
+                    gone = Some(struck);
                     (pause, got, events(&proxy, reference)?)
                 }
                 // The unfaulted run first: the reference, and the prompt
                 // cached on the prefill worker as for a request under way.
                 Fault::DecodeKill | Fault::DecodeStop => {
                     let want = events(&proxy, reference)?;
-                    let (pause, got, stopped) =
+                    let (pause, got, struck) =
                         faulted_run(&proxy, &rt, &view, req, *fault, a.kill_after)?;
-                    if let Some(w) = stopped {
-                        signal(&w, libc::SIGCONT);
-                    }
+                    gone = match fault {
+                        Fault::DecodeStop => {
+                            signal(&struck, libc::SIGCONT);
+                            None
+                        }
+                        _ => Some(struck),
+                    };
                     (pause, got, want)
                 }
             };

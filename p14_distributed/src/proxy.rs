@@ -307,12 +307,6 @@ impl Drop for Counted {
     }
 }
 
-/// One process of a worker: its id, endpoint and pid (a worker restarted
-/// under its old id is another instance).
-fn instance(w: &WorkerRecord) -> String {
-    format!("{}@{} (pid {})", w.id, w.http, w.pid)
-}
-
 /// How a prefill ended.
 enum Prefilled {
     /// A worker's answer, that worker still counted (if streamed), and its
@@ -520,7 +514,7 @@ impl Trip {
                 None => {
                     eprintln!("proxy {}: prefill worker {} failed; next", self.id, w.id);
                     self.stats.prefill_retries.fetch_add(1, Ordering::SeqCst);
-                    self.board.mark_suspect(&w.id);
+                    self.board.mark_suspect(&w);
                     tried.push(w.id);
                 }
             }
@@ -547,7 +541,7 @@ impl Trip {
                 .view
                 .workers(Role::Decode)
                 .into_iter()
-                .filter(|w| !tried.contains(&instance(w)))
+                .filter(|w| !tried.contains(&w.instance()))
                 .collect();
             if workers.is_empty() && since.elapsed() < self.worker_wait {
                 if self.events.is_closed() {
@@ -580,7 +574,7 @@ impl Trip {
             match r {
                 Ok(()) => return Ok(()),
                 Err(Lost::Started(why)) => {
-                    self.board.mark_suspect(&w.id);
+                    self.board.mark_suspect(&w);
                     return Err(format!("decode worker {} was lost mid-stream: {why}", w.id));
                 }
                 Err(Lost::BeforeStart(why)) => {
@@ -589,8 +583,8 @@ impl Trip {
                         self.id, w.id
                     );
                     self.stats.decode_retries.fetch_add(1, Ordering::SeqCst);
-                    self.board.mark_suspect(&w.id);
-                    tried.push(instance(&w));
+                    self.board.mark_suspect(&w);
+                    tried.push(w.instance());
                     // The K/V may be gone with the pull; the next worker
                     // recomputes if the prefill's copy is.
                     policy = LoadFailurePolicy::Recompute;
@@ -646,12 +640,12 @@ impl Trip {
                 Ok(None) => return Err(lost(started, "its stream ended early".into())),
                 Err(_) => {
                     let silent = heard.elapsed();
-                    let me = instance(w);
+                    let me = w.instance();
                     let leased = self
                         .view
                         .workers(Role::Decode)
                         .iter()
-                        .any(|r| instance(r) == me);
+                        .any(|r| r.instance() == me);
                     if silent >= CHUNK_GAP || (!leased && silent >= LEASE_GONE_GAP) {
                         let why = match leased {
                             true => format!("nothing heard for {} s", silent.as_secs()),

@@ -79,6 +79,12 @@ pub struct WorkerRecord {
 }
 
 impl WorkerRecord {
+    /// One process of the worker: its id, endpoint and pid (a worker
+    /// restarted under its old id is another instance).
+    pub fn instance(&self) -> String {
+        format!("{}@{} (pid {})", self.id, self.http, self.pid)
+    }
+
     /// Its key under `prefix` (see [`prefix`]).
     pub fn key_in(&self, prefix: &str) -> String {
         format!("{prefix}{}/{}", self.role.as_str(), self.id)

@@ -95,13 +95,17 @@ impl Board {
         lock(&self.inflight).get(id).copied().unwrap_or(0)
     }
 
-    pub fn mark_suspect(&self, id: &str) {
-        lock(&self.suspect).insert(id.to_string(), Instant::now());
+    /// A worker that failed a request is tried last for a while; by
+    /// instance, so that its replacement under the same id is not.
+    pub fn mark_suspect(&self, w: &WorkerRecord) {
+        let mut m = lock(&self.suspect);
+        m.retain(|_, t| t.elapsed() < SUSPECT);
+        m.insert(w.instance(), Instant::now());
     }
 
-    fn is_suspect(&self, id: &str) -> bool {
+    fn is_suspect(&self, w: &WorkerRecord) -> bool {
         lock(&self.suspect)
-            .get(id)
+            .get(&w.instance())
             .is_some_and(|t| t.elapsed() < SUSPECT)
     }
 
@@ -115,8 +119,8 @@ impl Board {
     /// else is left), excluding `tried`.
     fn candidates<'a>(&self, all: &'a [WorkerRecord], tried: &[String]) -> Vec<&'a WorkerRecord> {
         let mut c: Vec<&WorkerRecord> = all.iter().filter(|w| !tried.contains(&w.id)).collect();
-        c.sort_by_key(|w| self.is_suspect(&w.id));
-        let healthy = c.iter().filter(|w| !self.is_suspect(&w.id)).count();
+        c.sort_by_key(|w| self.is_suspect(w));
+        let healthy = c.iter().filter(|w| !self.is_suspect(w)).count();
         if healthy > 0 {
             c.truncate(healthy);
         }
