@@ -178,3 +178,41 @@ impl Board {
         Some(((*best).clone(), basis))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::Role;
+
+    fn worker(id: &str, port: u16, pid: u32) -> WorkerRecord {
+        WorkerRecord {
+            id: id.into(),
+            role: Role::Prefill,
+            model: "m".into(),
+            model_id: 1,
+            http: format!("http://127.0.0.1:{port}"),
+            kv_addr: None,
+            layout_hash: 1,
+            block_size: 16,
+            kv_blocks: 64,
+            context_length: 2048,
+            pid,
+        }
+    }
+
+    /// A worker that failed is passed over while another is healthy; its
+    /// replacement under the same id (another process) is not.
+    #[test]
+    fn a_suspect_is_passed_over_but_not_its_replacement_under_its_id() {
+        let b = Board::default();
+        let (dead, other) = (worker("p0", 1000, 10), worker("p1", 1001, 11));
+        b.mark_suspect(&dead);
+        let pick = b.pick_prefill(&[dead.clone(), other.clone()], &[], &[]);
+        assert_eq!(pick.map(|p| p.0.id), Some("p1".to_string()));
+        // Busy the other so that a healthy p0 would win on load.
+        b.begin("p1");
+        let back = worker("p0", 1002, 12);
+        let pick = b.pick_prefill(&[back, other], &[], &[]);
+        assert_eq!(pick.map(|p| p.0.pid), Some(12));
+    }
+}
