@@ -24,12 +24,13 @@ use std::time::{Duration, Instant};
 
 use p14_distributed::etcd::{Compare, Etcd, Op};
 
-use crate::dashboard::{buckets, increase, quantile, sum, Point};
+use crate::dashboard::Point;
 use crate::election::{fenced, fenced_if, Candidate, Fence};
 use crate::kpa::{Decision, Kpa, KpaSpec};
 use crate::reconcile::{plan, Action, Server};
 use crate::spec::Metric;
 use crate::state::{self, assign_key, endpoint_key, Assignment, Snapshot, ENDPOINTS};
+use crate::ttft::TtftWindow;
 
 #[derive(Clone, Debug)]
 pub struct ControllerConfig {
@@ -66,10 +67,9 @@ pub struct Controller {
     t0: Instant,
     kpa: BTreeMap<String, Kpa>,
     last_scrape: Option<Instant>,
-    /// Each ready server's TTFT buckets at the last scrape, by URL.
-    ttft_prev: BTreeMap<String, Vec<(f64, f64)>>,
-    /// By deployment, the last 10 s of TTFT increases.
-    ttft_window: BTreeMap<String, VecDeque<Vec<(f64, f64)>>>,
+    /// The dashboard's TTFT, from the same scrapes (the autoscaler does
+    /// not read it).
+    ttft: TtftWindow,
     pub report: Arc<Mutex<Report>>,
 }
 
@@ -104,8 +104,7 @@ impl Controller {
             t0: Instant::now(),
             kpa: BTreeMap::new(),
             last_scrape: None,
-            ttft_prev: BTreeMap::new(),
-            ttft_window: BTreeMap::new(),
+            ttft: TtftWindow::default(),
             report: Arc::new(Mutex::new(Report::default())),
         }
     }
@@ -290,32 +289,28 @@ impl Controller {
             .last_scrape
             .is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
         let ready = snap.ready_endpoints();
-        let mut ttft: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
         if due {
             self.last_scrape = Some(Instant::now());
             let urls: Vec<&str> = ready.values().flatten().map(|(_, u)| u.as_str()).collect();
             let (held, mut pages) = tokio::join!(self.held(snap), self.scrape_all(&urls));
-            let mut seen = BTreeMap::new();
+            // By deployment, its servers' pages: the load the autoscaler
+            // reads, and the TTFT the dashboard plots.
+            let mut by: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
             for st in &snap.deployments {
                 let d = &st.deployment;
                 let mut value = held.get(&d.name).copied().unwrap_or(0.0);
-                let mut incs = Vec::new();
+                let servers = by.entry(d.name.clone()).or_default();
                 for (_, url) in ready.get(&d.name).into_iter().flatten() {
                     let text = pages.remove(url.as_str()).unwrap_or_default();
                     value += load_of(&text, d.autoscaling.metric);
-                    let now_b = buckets(&text, "vllm:time_to_first_token_seconds");
-                    if let Some(before) = self.ttft_prev.get(url) {
-                        incs.push(increase(&now_b, before));
-                    }
-                    seen.insert(url.clone(), now_b);
+                    servers.push((url.clone(), text));
                 }
-                ttft.insert(d.name.clone(), sum(&incs));
                 if let Some(k) = self.kpa.get_mut(&d.name) {
                     k.record(now, value);
                 }
                 self.report().metric_value.insert(d.name.clone(), value);
             }
-            self.ttft_prev = seen;
+            self.ttft.scraped(&by);
         }
         let mut out = BTreeMap::new();
         for st in &snap.deployments {
@@ -340,18 +335,13 @@ impl Controller {
             self.report().ready.insert(d.name.clone(), n_ready);
             out.insert(d.name.clone(), desired);
             if due {
-                let window = self.ttft_window.entry(d.name.clone()).or_default();
-                window.push_back(ttft.remove(&d.name).unwrap_or_default());
-                while window.len() > 10 {
-                    window.pop_front();
-                }
-                let h = sum(&window.iter().cloned().collect::<Vec<_>>());
                 let running = actual
                     .iter()
                     .filter(|s| {
                         s.deployment == d.name && s.phase != crate::reconcile::Phase::Failed
                     })
                     .count();
+                let (ttft_p50, ttft_p99) = self.ttft.p50_p99(&d.name);
                 let mut r = self.report();
                 let load =
                     r.metric_value.get(&d.name).copied().unwrap_or(0.0) / d.autoscaling.target;
@@ -361,8 +351,8 @@ impl Controller {
                     running: running as f64,
                     ready: n_ready as f64,
                     load,
-                    ttft_p50: quantile(0.5, &h),
-                    ttft_p99: quantile(0.99, &h),
+                    ttft_p50,
+                    ttft_p99,
                 };
                 let hist = r.history.entry(d.name.clone()).or_default();
                 hist.push_back(point);
@@ -372,7 +362,6 @@ impl Controller {
             }
         }
         self.report().history.retain(|n, _| names.contains(n));
-        self.ttft_window.retain(|n, _| names.contains(n));
         out
     }
 

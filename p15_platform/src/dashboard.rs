@@ -3,11 +3,7 @@
 //! servers, drawn on the server as SVG (plotters) and refreshed every two
 //! seconds.
 //!
-//! TTFT comes from the servers' own `vllm:time_to_first_token_seconds`
-//! histograms: each second the controller takes every ready server's
-//! bucket counts, the increase since the last scrape is that second's
-//! histogram, and the quantiles over the last 10 s are read off their sum
-//! as Prometheus' `histogram_quantile` does (linear within a bucket).
+//! TTFT comes from the servers' own histograms ([`crate::ttft`]).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt::Write;
@@ -27,84 +23,6 @@ pub struct Point {
     pub load: f64,
     pub ttft_p50: Option<f64>,
     pub ttft_p99: Option<f64>,
-}
-
-/// Cumulative bucket counts `(le, count)` of one histogram in a
-/// Prometheus text page, summed over its label sets, by `le`.
-pub fn buckets(text: &str, name: &str) -> Vec<(f64, f64)> {
-    let prefix = format!("{name}_bucket{{");
-    let mut by: BTreeMap<u64, (f64, f64)> = BTreeMap::new();
-    for line in text.lines().filter(|l| l.starts_with(&prefix)) {
-        let Some(le) = line.split("le=\"").nth(1).and_then(|r| r.split('"').next()) else {
-            continue;
-        };
-        let le: f64 = if le == "+Inf" {
-            f64::INFINITY
-        } else {
-            le.parse().unwrap_or(f64::NAN)
-        };
-        let Some(v) = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) else {
-            continue;
-        };
-        if le.is_nan() {
-            continue;
-        }
-        by.entry(le.to_bits()).or_insert((le, 0.0)).1 += v;
-    }
-    let mut v: Vec<(f64, f64)> = by.into_values().collect();
-    v.sort_by(|a, b| a.0.total_cmp(&b.0));
-    v
-}
-
-/// `now - before`, bucket by bucket (a server that restarted counts from 0).
-pub fn increase(now: &[(f64, f64)], before: &[(f64, f64)]) -> Vec<(f64, f64)> {
-    now.iter()
-        .map(|&(le, c)| {
-            let b = before.iter().find(|x| x.0 == le).map_or(0.0, |x| x.1);
-            (le, if c >= b { c - b } else { c })
-        })
-        .collect()
-}
-
-/// The `q` quantile (0..1) of a cumulative histogram; None when empty.
-pub fn quantile(q: f64, h: &[(f64, f64)]) -> Option<f64> {
-    let total = h.last()?.1;
-    if total <= 0.0 {
-        return None;
-    }
-    let rank = q * total;
-    let mut prev = (0.0, 0.0);
-    for &(le, c) in h {
-        if c >= rank {
-            if le.is_infinite() {
-                return Some(prev.0); // the highest finite bound
-            }
-            let span = c - prev.1;
-            let f = if span > 0.0 {
-                (rank - prev.1) / span
-            } else {
-                1.0
-            };
-            return Some(prev.0 + (le - prev.0) * f);
-        }
-        prev = (le, c);
-    }
-    Some(prev.0)
-}
-
-/// Sum of histograms with the same buckets.
-pub fn sum(hs: &[Vec<(f64, f64)>]) -> Vec<(f64, f64)> {
-    let mut out: Vec<(f64, f64)> = Vec::new();
-    for h in hs {
-        for &(le, c) in h {
-            match out.iter_mut().find(|x| x.0 == le) {
-                Some(x) => x.1 += c,
-                None => out.push((le, c)),
-            }
-        }
-    }
-    out.sort_by(|a, b| a.0.total_cmp(&b.0));
-    out
 }
 
 /// One line of a chart: its legend, colour and value at each point.
@@ -341,34 +259,6 @@ pub fn html(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn quantiles_interpolate_within_a_bucket_as_prometheus_does() {
-        // 10 samples: 4 under 0.1, 4 more under 0.5, 2 more under 1.
-        let h = [(0.1, 4.0), (0.5, 8.0), (1.0, 10.0), (f64::INFINITY, 10.0)];
-        assert_eq!(quantile(0.4, &h), Some(0.1));
-        assert!((quantile(0.6, &h).unwrap() - 0.3).abs() < 1e-12); // halfway into 0.1..0.5
-        assert!((quantile(0.99, &h).unwrap() - 0.975).abs() < 1e-12);
-        assert_eq!(quantile(0.5, &[(0.1, 0.0), (f64::INFINITY, 0.0)]), None);
-    }
-
-    #[test]
-    fn buckets_sum_label_sets_and_increases_survive_a_restart() {
-        let text = "# TYPE x histogram\nx_bucket{m=\"a\",le=\"0.1\"} 1\nx_bucket{m=\"a\",le=\"+Inf\"} 3\n\
-                    x_bucket{m=\"b\",le=\"0.1\"} 2\nx_bucket{m=\"b\",le=\"+Inf\"} 2\nx_sum{m=\"a\"} 9\n";
-        let b = buckets(text, "x");
-        assert_eq!(b, vec![(0.1, 3.0), (f64::INFINITY, 5.0)]);
-        assert_eq!(
-            increase(&b, &[(0.1, 1.0), (f64::INFINITY, 2.0)]),
-            vec![(0.1, 2.0), (f64::INFINITY, 3.0)]
-        );
-        // A restarted server's counts fell: they count from zero.
-        assert_eq!(increase(&[(0.1, 1.0)], &[(0.1, 5.0)]), vec![(0.1, 1.0)]);
-        assert_eq!(
-            sum(&[b.clone(), b]),
-            vec![(0.1, 6.0), (f64::INFINITY, 10.0)]
-        );
-    }
 
     #[test]
     fn the_page_draws_both_plots_and_lists_servers() {

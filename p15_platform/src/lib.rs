@@ -39,3 +39,4 @@ pub mod scale_bench;
 pub mod spec;
 pub mod state;
 pub mod store;
+pub mod ttft;
