@@ -63,6 +63,11 @@ pub enum Compare {
     /// A leader's fencing token is its key's creation revision: once the
     /// key is gone or recreated by another leader, the compare fails.
     CreateRevision(String, i64),
+    /// No key under the prefix was created or changed after this revision
+    /// (etcd's compare over a range: every key's mod revision below
+    /// `revision + 1`; holds when there is none). A count read at the
+    /// revision still holds (deletions only lower it).
+    PrefixUnchangedSince(String, i64),
 }
 
 /// One operation of a transaction.
@@ -309,6 +314,11 @@ impl Etcd {
                 Compare::CreateRevision(k, r) => json!({
                     "key": b64(k.as_bytes()), "target": "CREATE", "result": "EQUAL",
                     "create_revision": r.to_string(),
+                }),
+                Compare::PrefixUnchangedSince(p, r) => json!({
+                    "key": b64(p.as_bytes()), "range_end": b64(&prefix_end(p)),
+                    "target": "MOD", "result": "LESS",
+                    "mod_revision": r.saturating_add(1).to_string(),
                 }),
             })
             .collect();

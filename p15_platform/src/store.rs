@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use p14_distributed::etcd::{Etcd, EtcdError};
+use p14_distributed::etcd::{Compare, Etcd, EtcdError, Op};
 use thiserror::Error;
 
 use crate::spec::{ModelDeployment, SpecError, MAX_DEPLOYMENTS};
@@ -32,7 +32,12 @@ pub enum StoreError {
         held: usize,
         max: usize,
     },
+    #[error("deployment {name}: other applies kept changing the deployments ({tries} tries); apply again")]
+    Contended { name: String, tries: usize },
 }
+
+/// Creates raced by other applies before one is refused as contended.
+const TRIES: usize = 8;
 
 /// What `apply` did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -65,30 +70,52 @@ impl Store {
         }
     }
 
+    /// Create or update `d`. A create counts the deployments held and
+    /// writes only if none was created or changed since the count (one
+    /// etcd transaction), so concurrent applies cannot pass the bound
+    /// together; one that lost the race counts again.
     pub async fn apply(&self, d: &ModelDeployment) -> Result<Applied, StoreError> {
         d.validate("the deployment")?;
-        let before = self.get(&d.name).await?;
-        let applied = match before {
-            None => {
-                let held = self.list().await?.0.len();
-                if held >= MAX_DEPLOYMENTS {
-                    return Err(StoreError::Full {
-                        name: d.name.clone(),
-                        held,
-                        max: MAX_DEPLOYMENTS,
-                    });
-                }
-                Applied::Created
-            }
-            Some(s) if s.deployment == *d => return Ok(Applied::Unchanged),
-            Some(_) => Applied::Updated,
-        };
+        let k = key(&d.name);
         let value = serde_json::to_vec(d).map_err(|e| StoreError::Stored {
-            key: key(&d.name),
+            key: k.clone(),
             message: e.to_string(),
         })?;
-        self.etcd.put(&key(&d.name), &value, None).await?;
-        Ok(applied)
+        for _ in 0..TRIES {
+            let (all, rev) = self.list().await?;
+            match all.iter().find(|s| s.deployment.name == d.name) {
+                Some(s) if s.deployment == *d => return Ok(Applied::Unchanged),
+                Some(_) => {
+                    self.etcd.put(&k, &value, None).await?;
+                    return Ok(Applied::Updated);
+                }
+                None if all.len() >= MAX_DEPLOYMENTS => {
+                    return Err(StoreError::Full {
+                        name: d.name.clone(),
+                        held: all.len(),
+                        max: MAX_DEPLOYMENTS,
+                    })
+                }
+                None => {
+                    let unchanged = [
+                        Compare::CreateRevision(k.clone(), 0),
+                        Compare::PrefixUnchangedSince(PREFIX.to_string(), rev),
+                    ];
+                    let put = [Op::Put {
+                        key: k.clone(),
+                        value: value.clone(),
+                        lease: None,
+                    }];
+                    if self.etcd.txn(&unchanged, &put).await?.0 {
+                        return Ok(Applied::Created);
+                    }
+                }
+            }
+        }
+        Err(StoreError::Contended {
+            name: d.name.clone(),
+            tries: TRIES,
+        })
     }
 
     pub async fn get(&self, name: &str) -> Result<Option<Stored>, StoreError> {

@@ -97,6 +97,40 @@ fn apply_refuses_a_deployment_past_the_platforms_bound() {
     });
 }
 
+/// Eight applies at once with room for two: the count and the write are
+/// one transaction, so exactly two are created and six refused (each of
+/// them counted 62 and would have written).
+#[test]
+fn concurrent_applies_do_not_pass_the_bound_together() {
+    let cluster = etcd();
+    let rt = runtime();
+    rt.block_on(async {
+        let store = Store::new(cluster.urls.clone());
+        let mut d = ModelDeployment::from_yaml(EXAMPLE, "smollm2.yaml").unwrap();
+        for i in 0..MAX_DEPLOYMENTS - 2 {
+            d.name = format!("m{i}");
+            assert_eq!(store.apply(&d).await.unwrap(), Applied::Created);
+        }
+        let racing: Vec<_> = (0..8)
+            .map(|i| {
+                let (store, mut d) = (store.clone(), d.clone());
+                d.name = format!("race{i}");
+                tokio::spawn(async move { store.apply(&d).await })
+            })
+            .collect();
+        let (mut created, mut full) = (0, 0);
+        for r in racing {
+            match r.await.unwrap() {
+                Ok(Applied::Created) => created += 1,
+                Err(StoreError::Full { .. }) => full += 1,
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!((created, full), (2, 6));
+        assert_eq!(store.list().await.unwrap().0.len(), MAX_DEPLOYMENTS);
+    });
+}
+
 #[test]
 fn the_command_line_applies_reports_and_names_a_bad_field() {
     let cluster = etcd();
