@@ -148,10 +148,11 @@ fn answers(url: &str, model: &str) -> Vec<String> {
     })
 }
 
-/// The single-process server's answers, native or f32 (computed once).
-fn reference(f32: bool) -> &'static [String] {
-    static NATIVE: OnceLock<Vec<String>> = OnceLock::new();
-    static F32: OnceLock<Vec<String>> = OnceLock::new();
+/// The single-process server's answers to the 8 prompts, native or f32,
+/// and (native) to [`every_field`]: each server started once.
+fn references(f32: bool) -> &'static (Vec<String>, Vec<Vec<serde_json::Value>>) {
+    static NATIVE: OnceLock<(Vec<String>, Vec<Vec<serde_json::Value>>)> = OnceLock::new();
+    static F32: OnceLock<(Vec<String>, Vec<Vec<serde_json::Value>>)> = OnceLock::new();
     let cell = if f32 { &F32 } else { &NATIVE };
     cell.get_or_init(|| {
         let weights = if f32 { "f32" } else { "native" };
@@ -164,8 +165,16 @@ fn reference(f32: bool) -> &'static [String] {
             texts.iter().all(|t| !t.is_empty()),
             "an empty reference: {texts:?}"
         );
-        texts
+        let fields = match f32 {
+            true => Vec::new(),
+            false => every_field_answers(&s.url, NAME),
+        };
+        (texts, fields)
     })
+}
+
+fn reference(f32: bool) -> &'static [String] {
+    &references(f32).0
 }
 
 fn assert_same(path: &str, got: &[String], want: &[String]) {
@@ -300,13 +309,9 @@ fn every_field_answers(url: &str, model: &str) -> Vec<Vec<serde_json::Value>> {
     })
 }
 
-/// The single-process server's answers to [`every_field`] (computed once).
+/// The single-process server's answers to [`every_field`].
 fn every_field_reference() -> &'static [Vec<serde_json::Value>] {
-    static ONCE: OnceLock<Vec<Vec<serde_json::Value>>> = OnceLock::new();
-    ONCE.get_or_init(|| {
-        let s = start("p10_quant", &["serve", "--model", "smollm2"]);
-        every_field_answers(&s.url, NAME)
-    })
+    &references(false).1
 }
 
 /// `path` answers every request of [`every_field`] as the single server
