@@ -315,9 +315,9 @@ fn every_field_reference() -> &'static [Vec<serde_json::Value>] {
 }
 
 /// `path` answers every request of [`every_field`] as the single server
-/// does, except those with `n` > 1 where `one_choice` (the prefill/decode
-/// proxy returns one choice per request): those must be refused by name.
-fn assert_every_field(path: &str, url: &str, model: &str, one_choice: bool) {
+/// does (`n` > 1 included: the prefill/decode proxy sends each choice as
+/// its own request, seeded as the single server seeds it).
+fn assert_every_field(path: &str, url: &str, model: &str) {
     let want = every_field_reference();
     assert!(
         want.iter().all(|w| w[0].get("status").is_none()),
@@ -326,14 +326,6 @@ fn assert_every_field(path: &str, url: &str, model: &str, one_choice: bool) {
     let got = every_field_answers(url, model);
     let bodies = every_field(model);
     for (i, ((endpoint, body), (g, w))) in bodies.iter().zip(got.iter().zip(want)).enumerate() {
-        if one_choice && body["n"].as_u64().is_some_and(|n| n > 1) {
-            let refusal = g[0]["body"].as_str().unwrap_or("");
-            assert!(
-                g[0]["status"] == 400 && refusal.contains("\"param\":\"n\""),
-                "{path}: n > 1 must be refused by name: {g:?}"
-            );
-            continue;
-        }
         assert_eq!(
             g, w,
             "{path}: request {i} ({endpoint} {body}) answered otherwise than the single server"
@@ -380,7 +372,7 @@ fn prefill_decode_clusters_answer_as_the_single_server() {
         );
         assert_same(&format!("up {p}P{d}D"), &answers(&s.url, NAME), want);
         if p == "1" {
-            assert_every_field("up 1P1D", &s.url, NAME, true);
+            assert_every_field("up 1P1D", &s.url, NAME);
         }
     }
 }
@@ -402,8 +394,8 @@ fn colocated_and_split_deployments_behind_the_router_answer_as_the_single_server
     router_sees(&p, &url, "pd", &s);
     assert_same("platform, co-located", &answers(&url, "co"), want);
     assert_same("platform, prefill/decode", &answers(&url, "pd"), want);
-    assert_every_field("platform, co-located", &url, "co", false);
-    assert_every_field("platform, prefill/decode", &url, "pd", true);
+    assert_every_field("platform, co-located", &url, "co");
+    assert_every_field("platform, prefill/decode", &url, "pd");
 }
 
 /// The text of a completion stream's events.
