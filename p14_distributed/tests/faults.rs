@@ -125,6 +125,44 @@ fn a_prefill_worker_killed_mid_transfer_loses_nothing() {
     }
 }
 
+/// The prefill worker dies while it prefills (before any K/V is offered):
+/// the proxy finds no other and the decode worker computes the prompt
+/// itself, with the single engine's tokens; nothing is left held.
+#[test]
+fn a_prefill_worker_killed_mid_prefill_is_recomputed_with_the_same_tokens() {
+    let one = colocated("native");
+    // About 1,400 tokens prefilled 64 at a time: a second or more of
+    // prefill to kill it in.
+    let long = PROMPTS.join(" ").repeat(20);
+    let req = request(7, &long, 8);
+    let want = collect(&one, req.clone());
+    let chunked: &[&str] = &["--kv-cache-mib", "160", "--max-num-batched-tokens", "64"];
+    let none: &[&str] = &["--kv-cache-mib", "160"];
+    let mut rig = rig_with(
+        "native",
+        1,
+        &[chunked],
+        &[none],
+        LoadFailurePolicy::Recompute,
+        false,
+    );
+    let rx = Engine::submit(&*rig.proxy, req).expect("submitted");
+    let t0 = Instant::now();
+    while rig.stats(&rig.workers[0])["running"].as_u64() != Some(1) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the prefill never ran"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    rig.workers[0].proc.kill();
+    assert_eq!(drain(rx), want, "recomputed on the decode worker");
+    assert!(rig.proxy.stats.prefill_retries.load(Ordering::SeqCst) >= 1);
+    let dead = rig.workers.remove(0);
+    nothing_held(&rig);
+    drop(dead);
+}
+
 #[test]
 fn nats_down_routes_by_load_alone_and_etcd_down_by_the_last_view() {
     let one = colocated("native");
