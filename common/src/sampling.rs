@@ -73,6 +73,17 @@ impl SamplingParams {
         }
     }
 
+    /// The parameters of choice `i` of a request with `n` > 1: choice 0
+    /// samples as asked, choice i > 0 with seed + i (its own stream of
+    /// draws). Every engine that answers `n` > 1 seeds its choices so.
+    pub fn of_choice(&self, i: u64) -> SamplingParams {
+        let mut p = self.clone();
+        if i > 0 {
+            p.seed = Some(self.seed.unwrap_or(0).wrapping_add(i));
+        }
+        p
+    }
+
     pub fn validate(&self) -> Result<(), SamplingError> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
             return Err(SamplingError::Temperature(self.temperature));

@@ -316,7 +316,7 @@ impl<'a, B: KvBackend, R: ModelRunner, C> EngineCore<'a, B, R, C> {
                 return Err(SchedulerError::Duplicate(*id).into());
             }
             let mut p = params.clone();
-            p.sampling.seed = Some(p.sampling.seed.unwrap_or(0).wrapping_add(i));
+            p.sampling = params.sampling.of_choice(i);
             children.push(Sequence::new::<std::convert::Infallible>(
                 &self.info, prompt, &p,
             )?);

@@ -248,19 +248,19 @@ impl Engine for Proxy {
         Ok(rx)
     }
 
-    /// `n` choices as `n` requests through the workers: choice i > 0
-    /// samples with seed + i, as the single server seeds the sequences it
-    /// forks for them (Project 08's `EngineCore::add`), so each choice is
-    /// the one the single server gives.
+    /// `n` choices as `n` requests through the workers, each seeded as
+    /// the single server seeds the sequences it forks for them
+    /// ([`common::sampling::SamplingParams::of_choice`]), so each choice is the one the
+    /// single server gives.
     fn submit_choices(&self, request: EngineRequest) -> Result<Vec<EngineStream>, EngineError> {
         let n = request.n.max(1);
         (0..n as u64)
             .map(|i| {
                 let mut r = request.clone();
                 r.n = 1;
+                r.sampling = request.sampling.of_choice(i);
                 if i > 0 {
                     r.id = format!("{}-{i}", request.id);
-                    r.sampling.seed = Some(request.sampling.seed.unwrap_or(0).wrapping_add(i));
                 }
                 self.submit(r)
             })

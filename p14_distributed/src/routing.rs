@@ -118,13 +118,14 @@ impl Board {
     /// Healthy candidates first, suspects after (tried only when nothing
     /// else is left), excluding `tried`.
     fn candidates<'a>(&self, all: &'a [WorkerRecord], tried: &[String]) -> Vec<&'a WorkerRecord> {
-        let mut c: Vec<&WorkerRecord> = all.iter().filter(|w| !tried.contains(&w.id)).collect();
-        c.sort_by_key(|w| self.is_suspect(w));
-        let healthy = c.iter().filter(|w| !self.is_suspect(w)).count();
-        if healthy > 0 {
-            c.truncate(healthy);
+        let (healthy, suspect): (Vec<&WorkerRecord>, Vec<&WorkerRecord>) = all
+            .iter()
+            .filter(|w| !tried.contains(&w.id))
+            .partition(|w| !self.is_suspect(w));
+        match healthy.is_empty() {
+            true => suspect,
+            false => healthy,
         }
-        c
     }
 
     /// The prefill worker for a prompt whose full blocks hash to `hashes`.

@@ -50,10 +50,7 @@ impl TtftWindow {
     /// `deployment`'s TTFT p50 and p99 over the window (None: no request
     /// had a first token in it).
     pub fn p50_p99(&self, deployment: &str) -> (Option<f64>, Option<f64>) {
-        let h = self
-            .window
-            .get(deployment)
-            .map_or(Vec::new(), |w| sum(&w.iter().cloned().collect::<Vec<_>>()));
+        let h = self.window.get(deployment).map_or(Vec::new(), sum);
         (quantile(0.5, &h), quantile(0.99, &h))
     }
 }
@@ -122,7 +119,7 @@ pub fn quantile(q: f64, h: &[(f64, f64)]) -> Option<f64> {
 }
 
 /// Sum of histograms with the same buckets.
-pub fn sum(hs: &[Vec<(f64, f64)>]) -> Vec<(f64, f64)> {
+pub fn sum<'a>(hs: impl IntoIterator<Item = &'a Vec<(f64, f64)>>) -> Vec<(f64, f64)> {
     let mut out: Vec<(f64, f64)> = Vec::new();
     for h in hs {
         for &(le, c) in h {

@@ -126,15 +126,20 @@ pub fn ready(s: &Snapshot, deployment: &str) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// The base URLs published for `deployment`'s ready servers.
+pub fn ready_urls(s: &Snapshot, deployment: &str) -> Vec<String> {
+    s.endpoints.get(deployment).map_or(Vec::new(), |v| {
+        v.iter()
+            .map(|(_, u)| u.trim_end_matches('/').to_string())
+            .collect()
+    })
+}
+
 /// Wait until the router at `router` routes `deployment` to exactly the
 /// endpoints published in `s`, all healthy (from its `/metrics`); routers
 /// read the endpoints every 200 ms, later on a loaded machine.
 pub fn router_sees(p: &Platform, router: &str, deployment: &str, s: &Snapshot) {
-    let mut want: Vec<String> = s.endpoints.get(deployment).map_or(Vec::new(), |v| {
-        v.iter()
-            .map(|(_, u)| u.trim_end_matches('/').to_string())
-            .collect()
-    });
+    let mut want = ready_urls(s, deployment);
     want.sort();
     let prefix = format!("gateway_backend_healthy{{model=\"{deployment}\",backend=\"");
     let http = reqwest::Client::new();
@@ -351,16 +356,7 @@ pub fn load(
 /// or waiting, no K/V block held by a sequence) within `within`, or the
 /// test fails naming what is still held.
 pub fn nothing_held(p: &Platform, deployment: &str, within: Duration) {
-    use p12_gateway::score::metric_sum;
-    let urls: Vec<String> = p
-        .snapshot()
-        .endpoints
-        .get(deployment)
-        .map_or(Vec::new(), |v| {
-            v.iter()
-                .map(|(_, u)| u.trim_end_matches('/').to_string())
-                .collect()
-        });
+    let urls = ready_urls(&p.snapshot(), deployment);
     assert!(!urls.is_empty(), "no ready server of {deployment}");
     let t0 = Instant::now();
     loop {
@@ -374,13 +370,13 @@ pub fn nothing_held(p: &Platform, deployment: &str, within: Duration) {
                 let Some(page) = page else {
                     return vec![format!("{u}: no /metrics")];
                 };
+                let r = p12_gateway::score::parse_report(&page, Instant::now());
                 [
-                    "vllm:num_requests_running",
-                    "vllm:num_requests_waiting",
-                    "vllm:kv_cache_usage_perc",
+                    ("running", r.running),
+                    ("waiting", r.waiting),
+                    ("kv usage", r.kv_usage),
                 ]
                 .into_iter()
-                .map(|m| (m, metric_sum(&page, m)))
                 .filter(|(_, v)| *v != 0.0)
                 .map(|(m, v)| format!("{u} {m} {v}"))
                 .collect()
