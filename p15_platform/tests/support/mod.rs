@@ -126,6 +126,16 @@ pub fn ready(s: &Snapshot, deployment: &str) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// A GET with a deadline (2 s): a server that accepts and never answers
+/// fails the wait's own bound instead of hanging it.
+pub async fn short_get(url: &str) -> reqwest::Result<reqwest::Response> {
+    reqwest::Client::new()
+        .get(url)
+        .timeout(Duration::from_secs(2))
+        .send()
+        .await
+}
+
 /// The base URLs published for `deployment`'s ready servers.
 pub fn ready_urls(s: &Snapshot, deployment: &str) -> Vec<String> {
     s.endpoints.get(deployment).map_or(Vec::new(), |v| {
@@ -270,7 +280,7 @@ pub fn answers(p: &Platform, weights: &[&str]) -> Arc<Answers> {
         let t0 = Instant::now();
         loop {
             let up = p.rt.block_on(async {
-                let r = reqwest::get(format!("{url}/health")).await;
+                let r = short_get(&format!("{url}/health")).await;
                 r.is_ok_and(|r| r.status().is_success())
             });
             if up {
@@ -364,7 +374,7 @@ pub fn nothing_held(p: &Platform, deployment: &str, within: Duration) {
             .iter()
             .flat_map(|u| {
                 let page = p.rt.block_on(async {
-                    let r = reqwest::get(format!("{u}/metrics")).await.ok()?;
+                    let r = short_get(&format!("{u}/metrics")).await.ok()?;
                     r.text().await.ok()
                 });
                 let Some(page) = page else {
